@@ -1,0 +1,3 @@
+"""Blazar: a local AI inference gateway."""
+
+__version__ = "0.1.0"

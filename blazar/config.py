@@ -1,0 +1,517 @@
+"""config.toml: typed schema, comment-preserving round-trip, `BLAZAR_*` overrides.
+
+Precedence, lowest to highest: schema defaults < config.toml < environment.
+
+Every write goes through `ConfigFile.mutate`: parse (tomlkit keeps comments and order) -> change ->
+validate the whole document against the schema -> timestamped `.bak` of the old file -> temp file +
+fsync + rename. A change that would not validate never reaches the disk.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import tomlkit
+import tomlkit.exceptions
+from tomlkit.items import AoT, Table
+
+DEFAULT_PORT = 11434
+BACKUPS_KEPT = 10
+
+
+class KeyEntry(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One API key (`[[keys]]`); managed with `blazar keys`, not `config set`."""
+
+    name: str
+    secret: str
+    models: list[str] = []
+    rpm: int = 0
+    tpm: int = 0
+    daily_tokens: int = 0
+    max_concurrent: int = 0
+    weight: int = 1
+
+
+class ModelSettings(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """Per-model overrides under `[models."<name>"]`; unset means the lane's default."""
+
+    num_ctx: int | None = None
+    keep_alive: str | int | None = None
+    parallel: int | None = None
+    threads: int | None = None
+    reasoning_budget: int | None = None
+
+
+class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    retention: int = 3
+    """`engine prune` keeps this many newest engines plus the active one."""
+    update_tolerance_pct: float = 5.0
+    """`engine update` refuses a new engine slower than the old by more than this."""
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    bind: str = f"127.0.0.1:{DEFAULT_PORT}"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    shutdown_grace_secs: float = 10.0
+    body_limit_mib: int = 50
+    cors_origins: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    keep_alive: str | int = "5m"
+    max_resident_models: int = 3
+    spawn_mem_floor_mib: int = 512
+    engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
+    models: dict[str, ModelSettings] = {}
+    keys: list[KeyEntry] = []
+
+
+KEY_DOCS: dict[str, str] = {
+    "bind": "host:port the gateway listens on (env BLAZAR_HOST)",
+    "log_level": "debug | info | warning | error",
+    "shutdown_grace_secs": "seconds in-flight requests get to finish on SIGINT/SIGTERM",
+    "body_limit_mib": "largest request body accepted, in MiB (413 above it)",
+    "cors_origins": "origins allowed by CORS; [\"*\"] allows any",
+    "keep_alive": "idle time before a resident model is evicted: 30s, 5m, 1h, or seconds",
+    "max_resident_models": "how many models may be resident at once",
+    "spawn_mem_floor_mib": "MemAvailable that must remain after loading a model",
+    "engine.retention": "engines kept by `engine prune` besides the active one",
+    "engine.update_tolerance_pct": "largest tokens/s regression `engine update` accepts",
+    "models.<name>.num_ctx": "context length for that model",
+    "models.<name>.keep_alive": "idle TTL for that model",
+    "models.<name>.parallel": "llama-server slots (--parallel) for that model",
+    "models.<name>.threads": "CPU threads for that model",
+    "models.<name>.reasoning_budget": "default thinking budget in tokens for that model",
+    "keys": "API keys: use `blazar keys add|rm|rotate`",
+}
+
+ENV_PREFIX = "BLAZAR_"
+
+
+class ConfigError(Exception):
+    """A config problem explained for the person who has to fix it."""
+
+    def __init__(self, message: str, *, fix: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.fix = fix
+
+    def __str__(self) -> str:
+        return f"{self.message}\n  fix: {self.fix}" if self.fix else self.message
+
+
+# ---------------------------------------------------------------- dotted keys
+
+_SEGMENT = re.compile(r'\s*(?:"((?:[^"\\]|\\.)*)"|\'([^\']*)\'|([A-Za-z0-9_\-:+]+))\s*(\.|$)')
+
+
+def split_key(dotted: str) -> list[str]:
+    """`models."smollm2:135m".num_ctx` -> ["models", "smollm2:135m", "num_ctx"]."""
+    parts: list[str] = []
+    pos = 0
+    while pos < len(dotted):
+        match = _SEGMENT.match(dotted, pos)
+        if not match or match.end() == pos:
+            raise ConfigError(
+                f"cannot read the key {dotted!r} at character {pos + 1}",
+                fix='use dotted keys like engine.retention; quote a segment holding dots or colons: '
+                'models."smollm2:135m".num_ctx',
+            )
+        double, single, bare, _dot = match.groups()
+        parts.append(double.replace('\\"', '"') if double is not None else single if single is not None
+                     else bare)
+        pos = match.end()
+        if _dot == "" and pos < len(dotted):
+            break
+    if not parts or dotted.strip().endswith("."):
+        raise ConfigError(f"empty key segment in {dotted!r}", fix="remove the stray dot")
+    return parts
+
+
+def join_key(parts: list[str]) -> str:
+    return ".".join(p if re.fullmatch(r"[A-Za-z0-9_\-]+", p) else f'"{p}"' for p in parts)
+
+
+def valid_keys() -> list[str]:
+    return list(KEY_DOCS)
+
+
+def _schema_kind(parts: list[str]) -> str:
+    """'scalar', 'table' or 'unknown' for a path in the schema; raises ConfigError for a bad one."""
+    top_fields = {f.name for f in msgspec.structs.fields(Config)}
+    head = parts[0]
+    if head not in top_fields:
+        raise _unknown_key(join_key(parts))
+    if head == "keys":
+        raise ConfigError("`keys` is managed by `blazar keys`, not `config set`",
+                          fix="blazar keys add NAME (the daemon must be running)")
+    if head == "engine":
+        if len(parts) == 1:
+            return "table"
+        names = {f.name for f in msgspec.structs.fields(EngineSettings)}
+        if len(parts) != 2 or parts[1] not in names:
+            raise _unknown_key(join_key(parts))
+        return "scalar"
+    if head == "models":
+        if len(parts) <= 2:
+            return "table"
+        names = {f.name for f in msgspec.structs.fields(ModelSettings)}
+        if len(parts) != 3 or parts[2] not in names:
+            raise _unknown_key(join_key(parts))
+        return "scalar"
+    if len(parts) != 1:
+        raise _unknown_key(join_key(parts))
+    return "scalar"
+
+
+def _unknown_key(key: str) -> ConfigError:
+    import difflib
+
+    close = difflib.get_close_matches(key, valid_keys(), n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    return ConfigError(
+        f"unknown config key {key!r}.{hint}",
+        fix="valid keys: " + ", ".join(valid_keys()),
+    )
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _explain_validation(error: msgspec.ValidationError, source: str) -> ConfigError:
+    text = str(error)
+    where = ""
+    match = re.search(r" - at `\$(.*)`$", text)
+    if match:
+        where = match.group(1).lstrip(".")
+        where = re.sub(r"\[(\d+)\]", r"[\1]", where)
+        text = text[: match.start()]
+    unknown = re.match(r"Object contains unknown field `(.+)`", text)
+    if unknown:
+        key = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
+        error_ = _unknown_key(key)
+        error_.message = f"{source}: {error_.message}"
+        return error_
+    return ConfigError(
+        f"{source}: {where or 'document'}: {text}",
+        fix=f"set a valid value with `blazar config set {where} VALUE`"
+        + (f" ({KEY_DOCS[where]})" if where in KEY_DOCS else ""),
+    )
+
+
+def parse_bind(bind: str) -> tuple[str, int]:
+    raw = bind.strip()
+    if raw.startswith("http://"):
+        raw = raw[len("http://"):]
+    raw = raw.rstrip("/")
+    if raw.startswith("["):
+        host, _, port_text = raw[1:].partition("]")
+        port_text = port_text.lstrip(":")
+    elif raw.count(":") == 1:
+        host, _, port_text = raw.partition(":")
+    elif ":" in raw:
+        host, port_text = raw, ""
+    else:
+        host, port_text = raw, ""
+    if not port_text:
+        port_text = str(DEFAULT_PORT)
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(f"bind {bind!r}: the port must be a number from 0 to 65535",
+                          fix="blazar config set bind 127.0.0.1:11434")
+    return host or "127.0.0.1", int(port_text)
+
+
+_DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+
+
+def parse_duration(value: str | int | float) -> float:
+    """Ollama-style keep_alive: seconds as a number, or 500ms / 30s / 5m / 1h. Negative = forever."""
+    if isinstance(value, bool):
+        raise ConfigError(f"duration {value!r} is not a number", fix="use 30s, 5m, 1h or seconds")
+    if isinstance(value, int | float):
+        return float("inf") if value < 0 else float(value)
+    match = _DURATION.match(value)
+    if not match:
+        raise ConfigError(f"duration {value!r} is not understood", fix="use 30s, 5m, 1h or a number of seconds")
+    number = float(match.group(1))
+    scale = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[match.group(2)]
+    return float("inf") if number < 0 else number * scale
+
+
+def _check_semantics(config: Config, source: str) -> None:
+    parse_bind(config.bind)
+    checks = [
+        ("keep_alive", config.keep_alive),
+        *((f'models."{name}".keep_alive', m.keep_alive) for name, m in config.models.items()
+          if m.keep_alive is not None),
+    ]
+    for key, value in checks:
+        try:
+            parse_duration(value)
+        except ConfigError as error:
+            raise ConfigError(f"{source}: {key}: {error.message}", fix=error.fix) from None
+    for key, number in (("shutdown_grace_secs", config.shutdown_grace_secs),
+                        ("body_limit_mib", config.body_limit_mib),
+                        ("max_resident_models", config.max_resident_models),
+                        ("spawn_mem_floor_mib", config.spawn_mem_floor_mib),
+                        ("engine.retention", config.engine.retention)):
+        if number < 0:
+            raise ConfigError(f"{source}: {key} is {number}; it must not be negative",
+                              fix=f"blazar config set {key} <a number ≥ 0>")
+
+
+def validate(data: dict[str, Any], source: str = "config.toml") -> Config:
+    try:
+        config = msgspec.convert(data, Config)
+    except msgspec.ValidationError as error:
+        raise _explain_validation(error, source) from None
+    _check_semantics(config, source)
+    return config
+
+
+# ---------------------------------------------------------------- environment
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """`BLAZAR_HOST`, `BLAZAR_<KEY>` and `BLAZAR_<TABLE>__<KEY>` as a partial config dict."""
+    environ = dict(os.environ if environ is None else environ)
+    out: dict[str, Any] = {}
+    if environ.get("BLAZAR_HOST"):
+        out["bind"] = environ["BLAZAR_HOST"]
+    top = {f.name: f for f in msgspec.structs.fields(Config)}
+    engine = {f.name for f in msgspec.structs.fields(EngineSettings)}
+    for name in top:
+        if name in ("engine", "models", "keys"):
+            continue
+        raw = environ.get(ENV_PREFIX + name.upper())
+        if raw is not None:
+            out[name] = _env_value(raw)
+    for name in engine:
+        raw = environ.get(f"{ENV_PREFIX}ENGINE__{name.upper()}")
+        if raw is not None:
+            out.setdefault("engine", {})[name] = _env_value(raw)
+    return out
+
+
+def _env_value(raw: str) -> Any:
+    try:
+        return tomlkit.parse(f"v = {raw}")["v"].unwrap()  # type: ignore[union-attr]
+    except Exception:
+        return raw
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+# ---------------------------------------------------------------- the file
+
+_process_lock = threading.RLock()
+
+
+class ConfigFile:
+    """One config.toml on disk. Reads are lock-free; writes hold the process-wide lock and a flock."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def read_text(self) -> str:
+        try:
+            return self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return ""
+
+    def document(self) -> tomlkit.TOMLDocument:
+        text = self.read_text()
+        try:
+            return tomlkit.parse(text)
+        except tomlkit.exceptions.ParseError as error:
+            raise ConfigError(
+                f"{self.path}:{error.line}:{error.col}: not valid TOML ({_parse_reason(error)})",
+                fix=f"correct line {error.line} of {self.path} (or run `blazar config edit`); "
+                "to start over from defaults, move the file aside",
+            ) from None
+
+    def file_data(self) -> dict[str, Any]:
+        return self.document().unwrap()
+
+    def load(self, environ: dict[str, str] | None = None) -> Config:
+        """The effective config; raises ConfigError with file, line, column and the fix."""
+        file_data = self.file_data()
+        validate(file_data, str(self.path))
+        env = env_overrides(environ)
+        return validate(_merge(file_data, env), f"{self.path} + BLAZAR_* environment")
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with _process_lock, open(self.path.with_suffix(".toml.lock"), "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def mutate(self, change: Callable[[tomlkit.TOMLDocument], None]) -> Config:
+        """Apply `change` to the parsed document and persist it only if the result validates."""
+        with self._locked():
+            document = self.document()
+            change(document)
+            config = validate(document.unwrap(), str(self.path))
+            self._write(tomlkit.dumps(document))
+            return config
+
+    def replace_text(self, text: str) -> Config:
+        """Swap in a whole new file (`config edit`), validated first."""
+        with self._locked():
+            try:
+                data = tomlkit.parse(text).unwrap()
+            except tomlkit.exceptions.ParseError as error:
+                raise ConfigError(f"line {error.line}, column {error.col}: not valid TOML "
+                                  f"({_parse_reason(error)})", fix="edit again and correct it") from None
+            config = validate(data, str(self.path))
+            self._write(text)
+            return config
+
+    def _write(self, text: str) -> None:
+        if self.path.exists():
+            stamp = time.strftime("%Y%m%dT%H%M%S") + f"{time.time_ns() % 1_000_000_000:09d}"
+            shutil.copy2(self.path, self.path.with_name(f"{self.path.name}.{stamp}.bak"))
+            self._prune_backups()
+        temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        with open(temp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, self.path)
+
+    def backups(self) -> list[Path]:
+        return sorted(self.path.parent.glob(f"{self.path.name}.*.bak"))
+
+    def _prune_backups(self) -> None:
+        for old in self.backups()[:-BACKUPS_KEPT]:
+            old.unlink(missing_ok=True)
+
+
+def _parse_reason(error: tomlkit.exceptions.ParseError) -> str:
+    return re.sub(r" at line \d+ col \d+$", "", str(error))
+
+
+# ---------------------------------------------------------------- document edits
+
+
+def parse_cli_value(raw: str) -> Any:
+    """A CLI value: a TOML literal when it is one (5, true, ["a"]), else the text itself."""
+    try:
+        return tomlkit.parse(f"v = {raw}")["v"]
+    except Exception:
+        return raw
+
+
+def set_in_document(document: tomlkit.TOMLDocument, parts: list[str], value: Any) -> None:
+    if _schema_kind(parts) == "table":
+        raise ConfigError(f"{join_key(parts)} is a table, not a value",
+                          fix="set one of its keys: " + ", ".join(k for k in valid_keys()
+                                                                   if k.startswith(parts[0] + ".")))
+    container: Any = document
+    for segment in parts[:-1]:
+        if segment not in container:
+            container[segment] = tomlkit.table()
+        container = container[segment]
+        if not isinstance(container, Table | dict) or isinstance(container, AoT):
+            raise ConfigError(f"{segment} is not a table in config.toml", fix="fix the file by hand")
+    container[parts[-1]] = value
+
+
+def unset_in_document(document: tomlkit.TOMLDocument, parts: list[str]) -> bool:
+    """Remove a key set in the file; empty parent tables go too. False when it was not set."""
+    _schema_kind(parts)
+    trail: list[Any] = [document]
+    for segment in parts[:-1]:
+        node = trail[-1]
+        if segment not in node:
+            return False
+        trail.append(node[segment])
+    if parts[-1] not in trail[-1]:
+        return False
+    del trail[-1][parts[-1]]
+    for depth in range(len(parts) - 1, 0, -1):
+        if len(trail[depth]) == 0:
+            del trail[depth - 1][parts[depth - 1]]
+    return True
+
+
+def lookup(data: dict[str, Any], parts: list[str]) -> tuple[bool, Any]:
+    node: Any = data
+    for segment in parts:
+        if not isinstance(node, dict) or segment not in node:
+            return False, None
+        node = node[segment]
+    return True, node
+
+
+def flatten(data: dict[str, Any], prefix: list[str] | None = None) -> Iterator[tuple[str, Any]]:
+    for key, value in data.items():
+        path = [*(prefix or []), key]
+        if isinstance(value, dict) and value:
+            yield from flatten(value, path)
+        else:
+            yield join_key(path), value
+
+
+def defaults_toml() -> str:
+    """The default config as TOML, each key with its meaning as a comment."""
+    document = tomlkit.document()
+    document.add(tomlkit.comment("Blazar defaults. Copy what you change into config.toml."))
+    default = msgspec.to_builtins(Config())
+    for key, value in default.items():
+        if key in ("models", "keys"):
+            continue
+        if isinstance(value, dict):
+            table = tomlkit.table()
+            for sub, sub_value in value.items():
+                table.add(tomlkit.comment(KEY_DOCS.get(f"{key}.{sub}", "")))
+                table.add(sub, sub_value)
+            document.add(key, table)
+        else:
+            document.add(tomlkit.comment(KEY_DOCS.get(key, "")))
+            document.add(key, value)
+    document.add(tomlkit.nl())
+    document.add(tomlkit.comment('[models."smollm2:135m"]  per-model overrides: num_ctx, keep_alive, '
+                                 'parallel, threads, reasoning_budget'))
+    document.add(tomlkit.comment("[[keys]]  API keys: managed with `blazar keys add`"))
+    return tomlkit.dumps(document)
+
+
+def effective_with_sources(config_file: ConfigFile, environ: dict[str, str] | None = None
+                           ) -> list[tuple[str, Any, str]]:
+    """(key, value, source) for every effective key; source is default, file or env."""
+    file_data = config_file.file_data()
+    env = env_overrides(environ)
+    effective = msgspec.to_builtins(config_file.load(environ))
+    rows = []
+    for key, value in flatten(effective):
+        parts = split_key(key)
+        if lookup(env, parts)[0]:
+            source = "env"
+        elif lookup(file_data, parts)[0]:
+            source = "file"
+        else:
+            source = "default"
+        if parts[0] == "keys":
+            value = [{**k, "secret": k["secret"][:8] + "…"} for k in value]
+        rows.append((key, value, source))
+    return rows

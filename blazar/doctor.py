@@ -1,0 +1,200 @@
+"""`blazar doctor` checks, grouped SYSTEM / GPU / ENGINES / MODELS / CHANNELS / RUNTIME.
+
+Each check is a blocking function returning Check rows; the CLI runs them in worker threads.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from blazar.config import ConfigError, ConfigFile
+from blazar.paths import Paths
+
+GROUPS = ["SYSTEM", "GPU", "ENGINES", "MODELS", "CHANNELS", "RUNTIME"]
+
+
+class Check(msgspec.Struct, kw_only=True):
+    group: str
+    check: str
+    status: str  # ok | info | warn | fail
+    detail: str
+    fix: str = ""
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes (empty off Linux)."""
+    values: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                name, _, rest = line.partition(":")
+                number = rest.strip().split()[0]
+                values[name] = int(number) * 1024
+    except OSError:
+        pass
+    return values
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def system_checks(paths: Paths) -> list[Check]:
+    rows = [
+        Check(group="SYSTEM", check="os", status="ok",
+              detail=f"{platform.system()} {platform.release()} {platform.machine()}"),
+        Check(group="SYSTEM", check="python", status="ok" if sys.version_info >= (3, 11) else "fail",
+              detail=sys.version.split()[0], fix="" if sys.version_info >= (3, 11) else "use Python 3.11+"),
+    ]
+    flags = cpu_flags()
+    simd = [f for f in ("avx", "avx2", "avx512f", "fma", "f16c") if f in flags]
+    rows.append(Check(group="SYSTEM", check="cpu", status="ok",
+                      detail=f"{os.cpu_count()} cores; SIMD {' '.join(simd) or 'none detected'}"))
+    memory = meminfo()
+    if memory:
+        available = memory.get("MemAvailable", 0)
+        rows.append(Check(group="SYSTEM", check="memory", status="ok" if available > 2**30 else "warn",
+                          detail=f"{_gib(available)} available of {_gib(memory.get('MemTotal', 0))}",
+                          fix="" if available > 2**30 else "free memory before loading models"))
+    probe = paths.home if paths.home.exists() else paths.home.parent
+    disk = shutil.disk_usage(probe)
+    rows.append(Check(group="SYSTEM", check="disk", status="ok" if disk.free > 5 * 2**30 else "warn",
+                      detail=f"{_gib(disk.free)} free at {paths.home}",
+                      fix="" if disk.free > 5 * 2**30 else "models need room: free disk or move BLAZAR_HOME"))
+    writable = os.access(probe, os.W_OK)
+    rows.append(Check(group="SYSTEM", check="home", status="ok" if writable else "fail",
+                      detail=f"BLAZAR_HOME={paths.home}" + ("" if writable else " is not writable"),
+                      fix="" if writable else "set BLAZAR_HOME to a writable directory"))
+    return rows
+
+
+def gpu_checks(paths: Paths) -> list[Check]:
+    try:
+        import pynvml
+    except ImportError:
+        return [Check(group="GPU", check="nvml", status="info",
+                      detail="CPU-only: the NVML bindings are not installed", fix="pip install nvidia-ml-py")]
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as error:
+        return [Check(group="GPU", check="nvml", status="info",
+                      detail=f"CPU-only: no NVIDIA driver found ({error}); engines run on the CPU")]
+    try:
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        driver = driver.decode() if isinstance(driver, bytes) else driver
+        rows = [Check(group="GPU", check="driver", status="ok", detail=f"NVIDIA driver {driver}")]
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            name = pynvml.nvmlDeviceGetName(handle)
+            name = name.decode() if isinstance(name, bytes) else name
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+            rows.append(Check(group="GPU", check=f"gpu{index}", status="ok",
+                              detail=f"{name}, sm_{major}{minor}, {_gib(memory.free)} free of "
+                              f"{_gib(memory.total)}"))
+        if len(rows) == 1:
+            rows.append(Check(group="GPU", check="devices", status="info",
+                              detail="the driver is loaded but reports no GPU"))
+        return rows
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def engine_checks(paths: Paths) -> list[Check]:
+    rows = []
+    for tool, why in (("cmake", "`blazar engine build`"), ("c++", "`blazar engine build`")):
+        found = shutil.which(tool)
+        rows.append(Check(group="ENGINES", check=tool, status="ok" if found else "warn",
+                          detail=found or f"not found; needed by {why}",
+                          fix="" if found else "apt-get install cmake g++"))
+    built = sorted(p.name for p in paths.engines.glob("*") if p.is_dir() and not p.name.startswith("."))
+    rows.append(Check(group="ENGINES", check="roster",
+                      status="ok" if built else "warn",
+                      detail=f"{len(built)} engine(s): {', '.join(built)}" if built else "no engine installed",
+                      fix="" if built else "blazar engine build cpu"))
+    return rows
+
+
+def model_checks(paths: Paths) -> list[Check]:
+    manifests = list((paths.models / "manifests").glob("*.json")) if paths.models.exists() else []
+    return [Check(group="MODELS", check="store",
+                  status="ok" if manifests else "info",
+                  detail=f"{len(manifests)} model(s) in {paths.models}" if manifests
+                  else f"no models in {paths.models} yet",
+                  fix="" if manifests else "blazar pull smollm2:135m")]
+
+
+def channel_checks(paths: Paths) -> list[Check]:
+    try:
+        config = ConfigFile(paths.config).load()
+    except ConfigError as error:
+        return [Check(group="CHANNELS", check="config", status="fail", detail=error.message, fix=error.fix)]
+    source = str(paths.config) if paths.config.exists() else "defaults (no config.toml)"
+    return [
+        Check(group="CHANNELS", check="config", status="ok", detail=f"valid: {source}"),
+        Check(group="CHANNELS", check="bind", status="ok",
+              detail=f"{config.bind}: OpenAI /v1, Ollama /api and Anthropic /v1/messages on one port"),
+        Check(group="CHANNELS", check="auth", status="ok" if config.keys else "info",
+              detail=f"{len(config.keys)} API key(s)" if config.keys
+              else "open gateway: no [[keys]] configured, every client on the network may use it"),
+        Check(group="CHANNELS", check="cors", status="ok", detail=f"origins {', '.join(config.cors_origins)}"),
+    ]
+
+
+def runtime_checks(paths: Paths, probe_health: Callable[[str], str | None]) -> list[Check]:
+    from blazar.server import read_daemon_file
+
+    rows = []
+    info = read_daemon_file(paths)
+    if info is None:
+        rows.append(Check(group="RUNTIME", check="daemon", status="info",
+                          detail="not running for this BLAZAR_HOME", fix="blazar serve"))
+    else:
+        problem = probe_health(info["url"])
+        rows.append(Check(group="RUNTIME", check="daemon", status="fail" if problem else "ok",
+                          detail=f"pid {info['pid']} at {info['url']}" + (f": {problem}" if problem else
+                                                                         ", /healthz ok"),
+                          fix="restart it: blazar stop && blazar serve" if problem else ""))
+    rows.append(_ledger_check(paths.ledger))
+    return rows
+
+
+def _ledger_check(path: Path) -> Check:
+    import apsw
+
+    from blazar.ledger import SCHEMA_VERSION
+
+    if not path.exists():
+        return Check(group="RUNTIME", check="ledger", status="info",
+                     detail="no ledger yet (created by the first `blazar serve`)")
+    try:
+        connection = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
+        version = int(connection.execute("PRAGMA user_version").fetchone()[0])
+        connection.close()
+    except apsw.Error as error:
+        return Check(group="RUNTIME", check="ledger", status="fail", detail=f"{path}: {error}",
+                     fix="move ledger.sqlite aside; the next `blazar serve` starts a fresh one")
+    if version < SCHEMA_VERSION:
+        return Check(group="RUNTIME", check="ledger", status="info",
+                     detail=f"schema v{version}; the next `blazar serve` upgrades it to v{SCHEMA_VERSION}")
+    return Check(group="RUNTIME", check="ledger", status="ok" if version == SCHEMA_VERSION else "fail",
+                 detail=f"schema v{version} at {path}",
+                 fix="" if version == SCHEMA_VERSION else "this ledger is newer than this Blazar: upgrade")

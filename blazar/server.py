@@ -1,0 +1,178 @@
+"""`blazar serve`: the root supervisor and the HTTP server under it.
+
+Root supervisor lifecycle:
+    binding -> starting actors -> serving -> draining -> stopping actors -> stopped
+
+- binding: the listening socket is bound before anything else, so a taken port fails fast (exit 3).
+- serving: hypercorn's trio worker serves the QuartTrio app wrapped in the middleware stack.
+- draining (first SIGINT/SIGTERM): no new connections; in-flight requests get
+  `shutdown_grace_secs` to finish.
+- stopping: the root nursery is cancelled; every actor's cleanup (engine children: SIGTERM, grace,
+  SIGKILL, reap) runs shielded. A second signal skips the drain.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from functools import partial
+
+import trio
+from hypercorn.config import Config as HyperConfig
+from hypercorn.config import Sockets
+from hypercorn.trio.run import worker_serve
+from hypercorn.utils import wrap_app
+
+from blazar import __version__
+from blazar.app import Services, create_app
+from blazar.config import Config, ConfigFile, parse_bind
+from blazar.middleware import build_stack
+from blazar.paths import Paths
+from supervisors.actor import supervise
+from supervisors.ledger import LedgerActor, LedgerClient
+from supervisors.registry import RegistryActor, RegistryClient
+
+log = logging.getLogger("blazar.serve")
+
+EXIT_PORT_IN_USE = 3
+
+
+class PortInUse(Exception):
+    pass
+
+
+def bind_socket(bind: str) -> socket.socket:
+    host, port = parse_bind(bind)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        if error.errno == errno.EADDRINUSE:
+            raise PortInUse(
+                f"port {port} on {host} is already in use (is another blazar or ollama running?); "
+                f"stop it, or listen elsewhere: BLAZAR_HOST={host}:{port + 1} blazar serve, "
+                f"or blazar config set bind {host}:{port + 1}"
+            ) from None
+        raise
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+def _hypercorn_config(config: Config) -> HyperConfig:
+    hyper = HyperConfig()
+    hyper.graceful_timeout = config.shutdown_grace_secs
+    hyper.accesslog = None
+    hyper.errorlog = logging.getLogger("hypercorn.error")
+    hyper.keep_alive_timeout = 75
+    return hyper
+
+
+async def run_gateway(
+    paths: Paths,
+    config: Config,
+    *,
+    sock: socket.socket,
+    shutdown: trio.Event,
+    task_status: trio.TaskStatus[Services] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """The root supervisor. Started value: the Services the routes see (tests use it)."""
+    async with trio.open_nursery() as root:
+        ledger = LedgerClient(await root.start(partial(supervise, lambda: LedgerActor(paths.ledger))))
+        config_file = ConfigFile(paths.config)
+        registry = RegistryClient(
+            await root.start(partial(supervise, lambda: RegistryActor(config_file, config))))
+        services = Services(paths=paths, config=config, ledger=ledger, registry=registry)
+        app = create_app(services)
+        asgi = build_stack(app, cors_origins=config.cors_origins,
+                           body_limit_bytes=config.body_limit_mib * 1024 * 1024,
+                           trace_ids=services.trace_ids)
+        hyper = _hypercorn_config(config)
+
+        async def http_server(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            await worker_serve(wrap_app(asgi, hyper.wsgi_max_body_size, "asgi"), hyper,
+                               sockets=Sockets([], [sock], []), shutdown_trigger=shutdown.wait,
+                               task_status=task_status)
+            # Drained: record it while the ledger is still up, then stop every actor.
+            with trio.move_on_after(2) as cleanup:
+                cleanup.shield = True
+                await ledger.execute("INSERT INTO events (ts, kind, detail) VALUES (?, 'serve_stopped', '{}')",
+                                     (time.time(),))
+            root.cancel_scope.cancel()
+
+        await root.start(http_server)
+        ledger.record_event("serve_started", bind=config.bind, version=__version__, pid=os.getpid())
+        task_status.started(services)
+
+
+async def _watch_signals(shutdown: trio.Event, cancel_scope: trio.CancelScope, grace: float) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            if not shutdown.is_set():
+                log.warning("%s: draining in-flight requests (up to %gs); signal again to stop now",
+                            signal.Signals(signum).name, grace)
+                shutdown.set()
+            else:
+                log.warning("second signal: stopping now")
+                cancel_scope.cancel()
+                return
+
+
+def _write_daemon_file(paths: Paths, bind: str, port: int) -> None:
+    host, _ = parse_bind(bind)
+    shown_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    info = {"pid": os.getpid(), "bind": bind, "port": port,
+            "url": f"http://{'[' + shown_host + ']' if ':' in shown_host else shown_host}:{port}",
+            "started_at": time.time(), "version": __version__}
+    temp = paths.daemon_file.with_suffix(".tmp")
+    temp.write_text(json.dumps(info))
+    os.replace(temp, paths.daemon_file)
+
+
+def read_daemon_file(paths: Paths) -> dict | None:
+    """The live daemon's address, or None when none is running for this BLAZAR_HOME."""
+    try:
+        info = json.loads(paths.daemon_file.read_text())
+        os.kill(int(info["pid"]), 0)
+    except (OSError, ValueError, KeyError):
+        return None
+    return info
+
+
+async def run_daemon(paths: Paths, config: Config) -> int:
+    """Foreground daemon: returns the process exit code."""
+    try:
+        sock = bind_socket(config.bind)
+    except PortInUse as error:
+        print(f"blazar: {error}", file=sys.stderr)
+        return EXIT_PORT_IN_USE
+    port = sock.getsockname()[1]
+    shutdown = trio.Event()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_signals, shutdown, nursery.cancel_scope, config.shutdown_grace_secs)
+
+            async def gateway_then_stop(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                                        ) -> None:
+                await run_gateway(paths, config, sock=sock, shutdown=shutdown, task_status=task_status)
+                nursery.cancel_scope.cancel()  # drained and stopped: the signal watcher goes too
+
+            await nursery.start(gateway_then_stop)
+            _write_daemon_file(paths, config.bind, port)
+            host, _ = parse_bind(config.bind)
+            print(f"blazar {__version__} listening on http://{host}:{port} (home {paths.home})",
+                  file=sys.stderr, flush=True)
+    finally:
+        sock.close()
+        paths.daemon_file.unlink(missing_ok=True)
+    print("blazar stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,1 @@
+"""One package per API dialect: pure translation functions and thin routes."""

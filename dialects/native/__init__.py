@@ -1,0 +1,1 @@
+"""Blazar's own routes: health, discovery, and llama-server's native surfaces."""

@@ -1,0 +1,39 @@
+"""The capability manifest served at `/.well-known/blazar`: a pure function of the live router."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+REQUEST_HEADERS = ["x-blazar-trace-id"]
+RESPONSE_HEADERS = ["x-blazar-trace-id"]
+
+
+def build_manifest(*, version: str, census: list[tuple[str, str]], dialect_of: Callable[[str], str],
+                   engine: dict[str, Any] | None, keys_enabled: bool) -> dict[str, Any]:
+    endpoints = [{"method": method, "path": path, "api": dialect_of(path)} for method, path in census]
+    apis: dict[str, int] = {}
+    for endpoint in endpoints:
+        apis[endpoint["api"]] = apis.get(endpoint["api"], 0) + 1
+    return {
+        "name": "blazar",
+        "version": version,
+        "engine": engine or {"kind": "llamacpp", "tag": None, "note": "no engine built yet: "
+                             "blazar engine build cpu"},
+        "apis": {name: {"routes": n} for name, n in sorted(apis.items())},
+        "endpoints": endpoints,
+        "endpoint_count": len(endpoints),
+        "headers": {"request": REQUEST_HEADERS, "response": RESPONSE_HEADERS},
+        # Each feature flag is true only once the gateway really does it.
+        "features": {
+            "keys": keys_enabled,
+            "tls": False,
+            "otlp": False,
+            "remotes": False,
+            "singleflight": False,
+            "session_bank": False,
+            "prompt_preflight": False,
+            "session_pins": False,
+            "semantic_cache": False,
+        },
+    }

@@ -1,0 +1,31 @@
+"""Health and discovery: `/healthz`, `/health`, `/.well-known/blazar`."""
+
+from __future__ import annotations
+
+from quart import Blueprint, current_app
+
+from blazar import __version__
+from blazar.app import json_response, route_census
+from blazar.errors import dialect_for_path
+from dialects.native.manifest import build_manifest
+
+blueprint = Blueprint("native", __name__)
+
+
+@blueprint.get("/healthz")
+@blueprint.get("/health")
+async def health() -> tuple[str, int, dict[str, str]]:
+    return "ok", 200, {"content-type": "text/plain; charset=utf-8"}
+
+
+@blueprint.get("/.well-known/blazar")
+async def well_known():
+    services = current_app.services
+    census = route_census(current_app)
+    return json_response(build_manifest(
+        version=__version__,
+        census=census,
+        dialect_of=dialect_for_path,
+        engine=services.engine_identity(),
+        keys_enabled=bool(services.config.keys),
+    ))

@@ -1,0 +1,1 @@
+"""One module per engine kind: how to build, spawn, probe and talk to it. No trio state here."""

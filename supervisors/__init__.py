@@ -1,0 +1,1 @@
+"""The actors of the supervisor tree (see docs/architecture.md)."""
