@@ -472,6 +472,14 @@ def flatten(data: dict[str, Any], prefix: list[str] | None = None) -> Iterator[t
             yield join_key(path), value
 
 
+def starter_toml() -> str:
+    """A new config.toml for `config edit`: every default present but commented out."""
+    lines = []
+    for line in defaults_toml().splitlines():
+        lines.append(line if not line.strip() or line.startswith("#") else f"# {line}")
+    return "\n".join(lines) + "\n"
+
+
 def defaults_toml() -> str:
     """The default config as TOML, each key with its meaning as a comment."""
     document = tomlkit.document()

@@ -65,6 +65,13 @@ class ActorGaveUp(Exception):
     """A supervised actor crashed more often than its restart budget allows."""
 
 
+def root_cause(error: BaseException) -> BaseException:
+    """The first leaf of nested exception groups: what actually went wrong."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return error
+
+
 def answer(reply: trio.MemorySendChannel | None, result: Reply) -> None:
     """Deliver a reply; a caller that already left (timeout, hang-up) is not an error."""
     if reply is None:
@@ -204,7 +211,8 @@ async def supervise(
                         f"{actor.name} crashed {len(recent)} times in {policy.window_secs:g}s; giving up"
                     ) from error
                 delay = policy.backoff(len(recent))
-                log.warning("%s crashed (%r); restart %d in %.2fs", actor.name, error, len(recent), delay)
+                log.warning("%s crashed (%r); restart %d in %.2fs", actor.name, root_cause(error), len(recent),
+                            delay)
                 if on_restart is not None:
                     maybe = on_restart(actor.name, error, len(recent))
                     if maybe is not None:

@@ -26,6 +26,7 @@ from blazar.config import (
     parse_cli_value,
     set_in_document,
     split_key,
+    starter_toml,
     unset_in_document,
 )
 from blazar.paths import Paths
@@ -168,7 +169,7 @@ async def edit() -> None:
 
 def _edit_in_editor(config_file: ConfigFile) -> str:
     """Edit a draft copy; only a draft that validates replaces the file. A bad draft is kept."""
-    original = config_file.read_text() or defaults_toml()
+    original = config_file.read_text() or starter_toml()
     editor = os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi"
     handle, name = tempfile.mkstemp(prefix="blazar-config-", suffix=".toml")
     draft = Path(name)

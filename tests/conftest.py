@@ -1,0 +1,99 @@
+"""Shared fixtures: a private BLAZAR_HOME per test, an in-process gateway on port 0, and a helper
+that runs the real `blazar` executable."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import trio
+
+from blazar.app import Services
+from blazar.config import Config
+from blazar.paths import Paths
+from blazar.server import bind_socket, run_gateway
+
+BLAZAR = str(Path(sys.executable).with_name("blazar"))
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Paths:
+    paths = Paths(tmp_path / "home").ensure()
+    monkeypatch.setenv("BLAZAR_HOME", str(paths.home))
+    for name in list(os.environ):
+        if name.startswith("BLAZAR_") and name != "BLAZAR_HOME":
+            monkeypatch.delenv(name)
+    return paths
+
+
+@dataclass
+class Gateway:
+    url: str
+    services: Services
+    shutdown: trio.Event
+
+    def client(self, **kwargs) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, timeout=10, **kwargs)
+
+
+async def start_gateway(nursery: trio.Nursery, paths: Paths, **overrides) -> Gateway:
+    config = msgspec.structs.replace(Config(bind="127.0.0.1:0"), **overrides)
+    sock = bind_socket(config.bind)
+    port = sock.getsockname()[1]
+    shutdown = trio.Event()
+    services = await nursery.start(partial(run_gateway, paths, config, sock=sock, shutdown=shutdown))
+    return Gateway(url=f"http://127.0.0.1:{port}", services=services, shutdown=shutdown)
+
+
+@pytest.fixture
+async def gateway(nursery: trio.Nursery, home: Paths) -> Gateway:
+    return await start_gateway(nursery, home)
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, input: str | None = None,
+            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run the installed `blazar` executable as a user would."""
+    return subprocess.run([BLAZAR, *args], capture_output=True, text=True, env=env or dict(os.environ),
+                          input=input, timeout=timeout)
+
+
+class ServeProcess:
+    """`blazar serve` as a child process, stderr kept in a file."""
+
+    def __init__(self, paths: Paths, log: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.paths = paths
+        self.log = log
+        self.args = args
+        self.env = {**os.environ, "BLAZAR_HOME": str(paths.home), **(env or {})}
+        self.process: trio.Process | None = None
+
+    async def start(self) -> dict:
+        self.process = await trio.lowlevel.open_process(
+            [BLAZAR, "serve", *self.args], env=self.env, stdout=subprocess.DEVNULL,
+            stderr=self.log.open("wb"), start_new_session=True)
+        while not self.paths.daemon_file.exists():
+            if self.process.poll() is not None:
+                raise AssertionError(f"serve exited {self.process.returncode}: {self.log.read_text()}")
+            await trio.sleep(0.05)
+        return json.loads(self.paths.daemon_file.read_text())
+
+    def signal(self, signum: int = signal.SIGTERM) -> None:
+        assert self.process is not None
+        self.process.send_signal(signum)
+
+    async def wait(self) -> int:
+        assert self.process is not None
+        return await self.process.wait()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)

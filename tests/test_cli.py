@@ -1,0 +1,171 @@
+"""The CLI as a user runs it: config commands, refusals, not-yet commands, completions, and the
+purity of every `--json` output (JSONL on stdout, nothing else)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import asyncclick as click
+import pytest
+
+from blazar.cli.main import PENDING, REFUSED, cli
+from blazar.paths import Paths
+from tests.conftest import run_cli
+
+
+def json_commands(group: click.Group = cli, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    found = []
+    for name, command in group.commands.items():
+        path = (*prefix, name)
+        if isinstance(command, click.Group):
+            found.extend(json_commands(command, path))
+        elif any("--json" in getattr(p, "opts", []) for p in command.params):
+            found.append(path)
+    return found
+
+
+# Arguments that make each --json command do real work. A new --json command without an entry
+# here fails test_every_json_command_is_covered.
+JSON_ARGS: dict[tuple[str, ...], list[str]] = {
+    ("config", "list"): [],
+    ("config", "get"): ["engine.retention"],
+    ("config", "set"): ['models."smollm2:135m".num_ctx', "2048"],
+    ("config", "unset"): ["keep_alive"],
+    ("config", "defaults"): [],
+    ("doctor",): [],
+    ("stop",): [],  # no daemon running: the refusal must keep stdout empty
+}
+
+
+def test_every_json_command_is_covered():
+    assert set(json_commands()) == set(JSON_ARGS)
+
+
+@pytest.mark.parametrize("path", sorted(JSON_ARGS))
+def test_json_output_is_pure_jsonl(home: Paths, path):
+    result = run_cli(*path, *JSON_ARGS[path], "--json")
+    for line in result.stdout.splitlines():
+        json.loads(line)
+    if path == ("stop",):
+        assert result.returncode == 1 and result.stdout == ""
+        assert "no blazar daemon is running" in result.stderr
+    else:
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip(), "a --json command that succeeded printed nothing"
+
+
+def test_config_set_get_unset_through_the_cli(home: Paths):
+    home.config.write_text("# mine\nlog_level = \"info\"\n")
+    assert run_cli("config", "set", 'models."smollm2:135m".num_ctx', "4096").returncode == 0
+    assert run_cli("config", "set", "keep_alive", "300").returncode == 0  # stays a string when it must
+    got = run_cli("config", "get", 'models."smollm2:135m".num_ctx', "--json")
+    assert json.loads(got.stdout) == {"key": 'models."smollm2:135m".num_ctx', "value": 4096, "source": "file"}
+    assert run_cli("config", "get", "keep_alive").stdout.strip() == "300"
+    text = home.config.read_text()
+    assert text.startswith("# mine\n") and '[models."smollm2:135m"]' in text
+    assert list(home.home.glob("config.toml.*.bak"))
+    unset = run_cli("config", "unset", 'models."smollm2:135m".num_ctx', "--json")
+    assert json.loads(unset.stdout)["removed"] is True
+    assert "smollm2" not in home.config.read_text()
+
+
+def test_config_set_unknown_key_lists_the_valid_keys(home: Paths):
+    result = run_cli("config", "set", "keepalive", "5m")
+    assert result.returncode == 1
+    assert "unknown config key 'keepalive'" in result.stderr
+    assert "Did you mean keep_alive" in result.stderr and "engine.retention" in result.stderr
+    assert result.stdout == ""
+    assert not home.config.exists()
+
+
+def test_config_set_invalid_value_teaches_and_keeps_the_file(home: Paths):
+    home.config.write_text('log_level = "info"\n')
+    result = run_cli("config", "set", "log_level", "chatty")
+    assert result.returncode == 1
+    assert "log_level" in result.stderr and "debug | info | warning | error" in result.stderr
+    assert home.config.read_text() == 'log_level = "info"\n'
+
+
+def test_config_get_respects_environment(home: Paths):
+    result = run_cli("config", "get", "bind", "--json", env={**os.environ, "BLAZAR_HOST": "0.0.0.0:1234"})
+    assert json.loads(result.stdout) == {"key": "bind", "value": "0.0.0.0:1234", "source": "env"}
+
+
+def test_config_edit_refuses_an_invalid_draft_and_keeps_it(home: Paths, tmp_path):
+    home.config.write_text('log_level = "info"\n')
+    editor = tmp_path / "editor.sh"
+    editor.write_text('#!/bin/sh\necho "[engine\\n" >> "$1"\n')
+    editor.chmod(0o755)
+    result = run_cli("config", "edit", env={**os.environ, "EDITOR": str(editor)})
+    assert result.returncode == 78
+    assert "not saved" in result.stderr and "your draft is kept at" in result.stderr
+    assert home.config.read_text() == 'log_level = "info"\n'
+
+
+def test_config_edit_saves_a_valid_draft(home: Paths, tmp_path):
+    editor = tmp_path / "editor.sh"
+    # The draft starts as the commented defaults, which end inside [engine]: insert at the top.
+    editor.write_text('#!/bin/sh\nsed -i \'1i keep_alive = "1h"\' "$1"\n')
+    editor.chmod(0o755)
+    result = run_cli("config", "edit", env={**os.environ, "EDITOR": str(editor)})
+    assert result.returncode == 0, result.stderr
+    assert run_cli("config", "get", "keep_alive").stdout.strip() == "1h"
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_cloud_commands_are_refused(home: Paths, name):
+    result = run_cli(name, "smollm2:135m")
+    assert result.returncode == 2
+    assert "refused by design" in result.stderr and "no cloud" in result.stderr
+    assert result.stdout == ""
+
+
+def test_not_yet_commands_say_so_and_exit_nonzero(home: Paths):
+    pending = [n for n in PENDING if n in cli.commands and cli.commands[n].help.endswith("(not in this build yet).")]
+    assert pending
+    for name in pending[:3]:
+        result = run_cli(name, "anything")
+        assert result.returncode == 69
+        assert "not in this build yet" in result.stderr and "Nothing was done" in result.stderr
+        assert result.stdout == ""
+
+
+def test_aliases_reach_their_commands(home: Paths):
+    assert "Run the daemon" in run_cli("start", "--help").stdout
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh", "fish", "powershell"])
+def test_completion_scripts(shell):
+    result = run_cli("completions", shell)
+    assert result.returncode == 0
+    assert "_BLAZAR_COMPLETE" in result.stdout
+
+
+def test_bash_completion_completes_commands():
+    env = {**os.environ, "_BLAZAR_COMPLETE": "bash_complete", "COMP_WORDS": "blazar con", "COMP_CWORD": "1"}
+    assert "config" in run_cli(env=env).stdout
+
+
+def test_powershell_completion_completes_subcommands():
+    env = {**os.environ, "_BLAZAR_COMPLETE": "powershell_complete", "COMP_WORDS": "blazar config u"}
+    values = [line.split("\t")[0] for line in run_cli(env=env).stdout.splitlines()]
+    assert values == ["unset"]
+
+
+def test_doctor_groups_and_cpu_only_note(home: Paths):
+    rows = [json.loads(line) for line in run_cli("doctor", "--json").stdout.splitlines()]
+    assert {row["group"] for row in rows} >= {"SYSTEM", "GPU", "ENGINES", "MODELS", "CHANNELS", "RUNTIME"}
+    gpu = [row for row in rows if row["group"] == "GPU"]
+    assert gpu and all(row["status"] in ("ok", "info") for row in gpu)
+    flat = run_cli("doctor", "--flat").stdout.splitlines()
+    assert all(line.split()[0] in {"SYSTEM", "GPU", "ENGINES", "MODELS", "CHANNELS", "RUNTIME"} for line in flat)
+
+
+def test_doctor_fails_on_a_broken_config(home: Paths):
+    home.config.write_text("bind = = 1\n")
+    result = run_cli("doctor", "--json")
+    assert result.returncode == 1
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert any(r["group"] == "CHANNELS" and r["status"] == "fail" and "config.toml:1:" in r["detail"]
+               for r in rows)
