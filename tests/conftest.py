@@ -97,3 +97,41 @@ class ServeProcess:
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
+
+
+async def arun_cli(*args: str, env: dict[str, str] | None = None, seconds: float = 120
+                   ) -> subprocess.CompletedProcess[str]:
+    """`run_cli` for async tests: the trio thread stays free (fake hubs serve meanwhile)."""
+    with trio.fail_after(seconds):
+        result = await trio.run_process([BLAZAR, *args], env=env or dict(os.environ), capture_stdout=True,
+                                        capture_stderr=True, check=False)
+    return subprocess.CompletedProcess(result.args, result.returncode, result.stdout.decode(),
+                                       result.stderr.decode())
+
+
+@pytest.fixture(scope="session")
+def shared_home() -> Paths:
+    """The home where `./scripts/test` built the engine and pulled SmolLM2 once per machine."""
+    return Paths(Path(os.environ.get("BLAZAR_SHARED_HOME", "~/.blazar")).expanduser())
+
+
+@pytest.fixture(scope="session")
+def shared_engine(shared_home: Paths):
+    from blazar.engines import Roster
+
+    entry = Roster(shared_home).active()
+    if entry is None:
+        pytest.fail(f"no engine built in {shared_home.home}: run ./scripts/test (it runs "
+                    "`blazar engine build cpu` once per machine)")
+    return entry
+
+
+@pytest.fixture(scope="session")
+def shared_smollm2(shared_home: Paths) -> Path:
+    from blazar.store import Store, StoreError
+
+    try:
+        store = Store(shared_home)
+        return store.blob_of(store.get("smollm2:135m"))
+    except StoreError:
+        pytest.fail(f"smollm2:135m is not pulled in {shared_home.home}: run ./scripts/test")

@@ -88,15 +88,7 @@ PENDING: dict[str, tuple[str, str]] = {
     "ps": ("live instances: state, ctx, in-flight, idle countdown", "the text lane"),
     "launch": ("exec an agent CLI against the daemon", "the text lane"),
     "session": ("slot KV checkpoints per model", "session banks"),
-    "pull": ("pull a model (owner/repo[:QUANT] or a catalog shortname)", "the model store"),
-    "import": ("import an existing GGUF", "the model store"),
-    "cp": ("zero-byte hardlink alias", "the model store"),
-    "create": ("Modelfile alias", "the model store"),
-    "rm": ("remove models", "the model store"),
-    "list": ("list models", "the model store"),
-    "show": ("model details", "the model store"),
     "quantize": ("derive a quantization with llama-quantize", "the model store and engine roster"),
-    "mmproj": ("attach a vision projector", "the model store"),
     "search": ("Hugging Face search", "the model store"),
     "fit": ("pre-download RAM/VRAM fit preview", "the model store"),
     "lora": ("LoRA adapter management", "LoRA variants"),
@@ -104,7 +96,6 @@ PENDING: dict[str, tuple[str, str]] = {
     "tune": ("grid search of serving knobs", "the benchmark harness"),
     "drafts": ("speculative draft candidates", "speculative decoding"),
     "coreside": ("VRAM co-residency plan", "the GPU census"),
-    "engine": ("engine roster: build, list, use, rm, prune, rollback, local, update", "the engine roster"),
     "keys": ("API key management against the running daemon", "API keys"),
     "whisper": ("transcription and whisper lane management", "the speech lanes"),
     "migrate": ("legacy api_keys -> [[keys]]", "API keys"),
@@ -127,10 +118,12 @@ def _pending(name: str, purpose: str, waits_for: str) -> click.Command:
 
 
 def _register() -> None:
-    from blazar.cli import completions, config_cmd, doctor_cmd, serve_cmd
+    from blazar.cli import completions, config_cmd, doctor_cmd, engine_cmd, models_cmd, serve_cmd
 
     for command in (serve_cmd.serve, serve_cmd.stop, config_cmd.config, doctor_cmd.doctor,
-                    completions.completions):
+                    completions.completions, engine_cmd.engine, models_cmd.pull, models_cmd.import_,
+                    models_cmd.cp, models_cmd.create, models_cmd.rm, models_cmd.list_, models_cmd.show,
+                    models_cmd.mmproj):
         cli.add_command(command)
     for name, (purpose, waits_for) in PENDING.items():
         if name not in cli.commands:
