@@ -9,6 +9,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -57,6 +58,9 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+LLAMA_VERSION = re.compile(r"version: \S+ \(build \d+")
+
+
 def probe_version(binary: Path, timeout: float = 20) -> str:
     """`llama-server --version` text (it prints to stderr). Raises EngineError when it does not run."""
     try:
@@ -65,9 +69,9 @@ def probe_version(binary: Path, timeout: float = 20) -> str:
         raise EngineError(f"{binary} does not run: {error}",
                           fix="point at a llama-server binary built for this machine") from None
     text = (result.stdout + result.stderr).strip()
-    if result.returncode != 0 or "version" not in text:
-        raise EngineError(f"{binary} --version exited {result.returncode}: {text[-400:]}",
-                          fix="point at a working llama-server binary")
+    if result.returncode != 0 or not LLAMA_VERSION.search(text):
+        raise EngineError(f"{binary} is not a llama.cpp server: --version exited {result.returncode} and said "
+                          f"{text[-300:]!r}", fix="point at a llama-server binary (blazar engine build cpu makes one)")
     return text
 
 

@@ -19,3 +19,5 @@ def setup_logging(level: str = "info") -> None:
     # Client libraries log every request at INFO; the access log already says what matters.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("httpcore").setLevel(logging.WARNING)
+    # Its retry chatter would bury the one teaching line Blazar prints.
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)

@@ -81,26 +81,44 @@ def _hub_api():
     return HfApi(endpoint=hub_endpoint())
 
 
+def _network_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [httpx.TransportError, OSError]
+    try:  # huggingface-hub 1.x+ talks through its own httpx fork
+        import httpx2
+
+        errors.append(httpx2.TransportError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def _probe_hub() -> None:
+    """Fail fast when the hub cannot be reached at all (huggingface-hub would retry for ~25 s)."""
+    try:
+        with httpx.Client(timeout=httpx.Timeout(10.0, connect=5.0)) as client:
+            client.head(f"{hub_endpoint()}/api/models", follow_redirects=True)
+    except httpx.TransportError as error:
+        raise HubUnreachable(f"{hub_endpoint()}: {type(error).__name__}: {error}") from None
+
+
 def _hub_call(function: Callable[[], Any], what: str) -> Any:
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
+    _probe_hub()
     try:
         return function()
     except RepositoryNotFoundError:
         raise StoreError(f"{what}: no such repository on {hub_endpoint()}",
-                         fix="check the owner/repo spelling (blazar search NAME finds GGUF repos)", status=404) from None
+                         fix="check the owner/repo spelling (blazar search NAME finds GGUF repos)",
+                         status=404) from None
     except HfHubHTTPError as error:
         status = getattr(error.response, "status_code", 0) or 0
         if status >= 500 or status == 0:
             raise HubUnreachable(f"{what}: the hub answered {status}") from None
         raise StoreError(f"{what}: the hub refused ({status}): {error}", fix="check the name and your token",
                          status=400) from None
-    except (httpx.HTTPError, OSError) as error:
+    except _network_errors() as error:
         raise HubUnreachable(f"{what}: {type(error).__name__}: {error}") from None
-    except Exception as error:  # requests-style errors from older huggingface-hub versions
-        if "Connection" in type(error).__name__ or "Timeout" in type(error).__name__:
-            raise HubUnreachable(f"{what}: {error}") from None
-        raise
 
 
 def repo_gguf_files(repo: str) -> list[dict[str, Any]]:
@@ -244,13 +262,14 @@ TARGET = re.compile(r"^(?:hf\.co/|huggingface\.co/)?([A-Za-z0-9][\w.\-]*/[\w.\-]
 
 
 def pull(store: Store, target: str, *, force: bool = False, progress: Progress, notes: Callable[[str], None],
-         with_info: Callable[[Path], dict[str, Any]] | None = None) -> ModelManifest:
+         with_info: Callable[[Path], dict[str, Any]] | None = None) -> tuple[ModelManifest, bool]:
+    """Install `target`; returns the manifest and whether anything was fetched."""
     entry = catalog_entry(target)
     if entry is not None:
         name = entry.name
         if not force and name in store.names() and store.has_blob(store.get(name).blob):
             notes(f"{name} is already installed (blazar pull --force {name} fetches it again)")
-            return store.get(name)
+            return store.get(name), False
         source: dict[str, Any]
         url = f"{hub_endpoint()}/{entry.hf_repo}/resolve/main/{urllib.parse.quote(entry.hf_file)}"
         try:
@@ -287,7 +306,7 @@ def pull(store: Store, target: str, *, force: bool = False, progress: Progress, 
         name = f"{repo}:{chosen['quant'] or 'latest'}"
         if not force and name in store.names() and store.has_blob(store.get(name).blob):
             notes(f"{name} is already installed (blazar pull --force {target} fetches it again)")
-            return store.get(name)
+            return store.get(name), False
         url = f"{hub_endpoint()}/{repo}/resolve/main/{urllib.parse.quote(chosen['file'])}"
         try:
             sha, size = download(store, url, chosen["sha256"], progress, _hub_headers())
@@ -303,7 +322,7 @@ def pull(store: Store, target: str, *, force: bool = False, progress: Progress, 
         manifest.info = with_info(store.blob_path(manifest.blob))
     store.put(manifest)
     store.collect_garbage()
-    return manifest
+    return manifest, True
 
 
 def verify(store: Store, query: str) -> dict[str, Any]:
@@ -323,3 +342,25 @@ def _hub_headers() -> dict[str, str]:
     from huggingface_hub.utils import build_hf_headers
 
     return build_hf_headers(library_name="blazar")
+
+
+def search(query: str, *, any_format: bool = False, quant: str | None = None, limit: int = 20
+           ) -> list[dict[str, Any]]:
+    """Hub search; GGUF repos only unless `any_format`. `quant` keeps repos that ship that quant."""
+    api = _hub_api()
+    options: dict[str, Any] = {"search": query, "limit": limit, "full": True}
+    if not any_format:
+        options["filter"] = "gguf"
+    try:
+        models = _hub_call(lambda: list(api.list_models(**options)), f"search {query!r}")
+    except HubUnreachable as why:
+        raise StoreError(f"the hub is unreachable: {why}", fix="check the network or HF_ENDPOINT", status=502) from None
+    rows = []
+    for model in models:
+        files = [s.rfilename for s in (model.siblings or [])]
+        quants = sorted({q for q in (detect_quant(f) for f in files if f.lower().endswith(".gguf")) if q})
+        if quant and quant.upper() not in quants:
+            continue
+        rows.append({"id": model.id, "downloads": model.downloads, "likes": model.likes, "quants": quants,
+                     "pull": f"blazar pull {model.id}" + (f":{quant.upper()}" if quant else "")})
+    return rows

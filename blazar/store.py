@@ -85,7 +85,7 @@ def sha256_stream(source: Path, destination: Path | None = None, chunk: int = 1 
     """Hash a file, copying it to `destination` on the way when given."""
     digest = hashlib.sha256()
     size = 0
-    out = open(destination, "wb") if destination else None
+    out = open(destination, "wb") if destination else None  # noqa: SIM115 - closed in finally
     try:
         with open(source, "rb") as handle:
             while block := handle.read(chunk):

@@ -38,8 +38,44 @@ JSON_ARGS: dict[tuple[str, ...], list[str]] = {
 }
 
 
+# --json commands whose purity is asserted where their scenario lives.
+COVERED_ELSEWHERE = {
+    ("engine", "build"): "tests/test_engines.py::test_build_cpu_produces_a_llama_server_that_answers_version",
+    ("pull",): "tests/test_models.py::test_pull_picks_the_preferred_quant_and_records_the_hash",
+    ("search",): "tests/test_models.py::test_search_filters_by_quant",
+    ("engine", "update"): "tests/test_cli.py::test_store_and_roster_commands_print_pure_jsonl",
+}
+SCENARIO = {("import",), ("cp",), ("list",), ("show",), ("create",), ("mmproj",), ("fit",), ("rm",),
+            ("engine", "local"), ("engine", "list"), ("engine", "use"), ("engine", "rollback"),
+            ("engine", "prune"), ("engine", "rm")}
+
+
 def test_every_json_command_is_covered():
-    assert set(json_commands()) == set(JSON_ARGS)
+    assert set(json_commands()) == set(JSON_ARGS) | set(COVERED_ELSEWHERE) | SCENARIO
+
+
+def test_store_and_roster_commands_print_pure_jsonl(home: Paths, tmp_path, shared_engine):
+    from tests.fakehub import make_gguf
+
+    model = make_gguf(tmp_path / "tiny.Q8_0.gguf", payload_mib=0.1)
+    projector = make_gguf(tmp_path / "mmproj.gguf", name="proj", payload_mib=0.05)
+    modelfile = tmp_path / "Modelfile"
+    modelfile.write_text("FROM tiny:q8_0\nPARAMETER num_ctx 1024\n")
+    steps = [
+        ("import", str(model)), ("cp", "tiny:q8_0", "alias:1"), ("list",), ("show", "alias"),
+        ("create", "made", "-f", str(modelfile)), ("mmproj", "alias", str(projector)), ("pull", "alias", "--verify"),
+        ("fit", "alias"), ("rm", "alias", "made"),
+        ("engine", "local", shared_engine.binary), ("engine", "local", shared_engine.binary, "--tag", "second"),
+        ("engine", "list"), ("engine", "use", "second"), ("engine", "rollback"), ("engine", "prune", "--keep", "1"),
+        ("engine", "rm", "second"), ("engine", "update", "--check"),
+    ]
+    for step in steps:
+        result = run_cli(*step, "--json")
+        assert result.returncode == 0, (step, result.stderr)
+        lines = result.stdout.splitlines()
+        assert lines, step
+        for line in lines:
+            json.loads(line)
 
 
 @pytest.mark.parametrize("path", sorted(JSON_ARGS))

@@ -160,7 +160,7 @@ def test_cp_is_a_zero_byte_alias_and_rm_keeps_shared_files(home: Paths, tmp_path
 
 def test_create_from_a_modelfile_is_an_overlay_without_a_copy(home: Paths, tmp_path: Path):
     run_cli("import", str(make_gguf(tmp_path / "base.Q8_0.gguf", payload_mib=0.2)))
-    adapter = make_gguf(tmp_path / "style-lora.gguf", name="lora", payload_mib=0.05)
+    make_gguf(tmp_path / "style-lora.gguf", name="lora", payload_mib=0.05)
     modelfile = tmp_path / "Modelfile"
     modelfile.write_text('FROM base:q8_0\nPARAMETER num_ctx 4096\nPARAMETER temperature 0.2\n'
                          'PARAMETER stop "<|end|>"\nADAPTER ./style-lora.gguf\n'
@@ -225,3 +225,33 @@ async def test_show_reads_gguf_metadata(home: Paths, tmp_path: Path):
     assert shown["info"]["context_length"] == 4096
     assert shown["info"]["block_count"] == 2 and shown["info"]["head_count_kv"] == 2
     assert shown["profile"] == {}
+
+
+async def test_search_filters_by_quant(home: Paths, hub, tmp_path):
+    hub.add("OtherOrg/Other-GGUF", make_gguf(tmp_path / "other.Q8_0.gguf", name="o", payload_mib=0.05))
+    everything = await arun_cli("search", "gguf", "--json", env=hub_env(hub))
+    assert everything.returncode == 0, everything.stderr
+    rows = jsonl(everything.stdout)
+    assert {r["id"] for r in rows} == {REPO, "OtherOrg/Other-GGUF"}
+    only = jsonl((await arun_cli("search", "gguf", "--quant", "q4_k_m", "--json", env=hub_env(hub))).stdout)
+    assert [(r["id"], r["pull"]) for r in only] == [(REPO, f"blazar pull {REPO}:Q4_K_M")]
+
+
+async def test_search_without_a_hub_teaches_quickly(home: Paths):
+    result = await arun_cli("search", "smol", env={**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9"}, seconds=30)
+    assert result.returncode == 1 and "hub is unreachable" in result.stderr and "Traceback" not in result.stderr
+
+
+async def test_fit_sizes_a_remote_repo_from_its_gguf_header(home: Paths, hub):
+    result = await arun_cli("fit", f"{REPO}:Q8_0", "--ctx", "2048", "--json", env=hub_env(hub))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["source"] == "hub"
+    rows = {row["quant"]: row for row in report["rows"]}
+    assert set(rows) == {"Q8_0", "Q4_K_M"} and rows["Q8_0"]["chosen"] is True
+    # 2 layers x 2048 tokens x (64 / 4 heads x 2 kv heads) x K and V x 2 bytes
+    assert rows["Q8_0"]["kv_cache_bytes"] == 2 * 2 * 2048 * 32 * 2
+    assert rows["Q8_0"]["need_bytes"] == rows["Q8_0"]["file_bytes"] + rows["Q8_0"]["kv_cache_bytes"] + \
+        rows["Q8_0"]["overhead_bytes"]
+    assert rows["Q8_0"]["verdict"] in ("fits in RAM (CPU)", "fits in VRAM")
+    assert ("download", f"{REPO}/tiny.Q8_0.gguf", "bytes=0-2097151") in hub.requests

@@ -131,8 +131,10 @@ async def list_(as_json: bool) -> None:
     for column in ("", "TAG", "KIND", "BACKEND", "SHA256", "SOURCE", "CREATED"):
         table.add_column(column)
     for entry in entries:
-        source = entry.source.get("package") and f"{entry.source['package']} {entry.source['version']}" or \
-            entry.source.get("dir") or entry.source.get("local", "")
+        if entry.source.get("package"):
+            source = f"{entry.source['package']} {entry.source['version']}"
+        else:
+            source = entry.source.get("dir") or entry.source.get("local", "")
         table.add_row("*" if entry.tag == roster.active else "", entry.tag, entry.kind, entry.backend,
                       entry.sha256[:12], str(source), time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.created_at)))
     Console(width=200).print(table)
@@ -205,6 +207,60 @@ async def local(path: Path, tag: str | None, as_json: bool) -> None:
     except EngineError as error:
         _fail(error)
     _done(as_json, entry, f"registered {entry.tag} -> {entry.binary} (active)")
+
+
+@engine.command()
+@click.option("--check", "check_only", is_flag=True, help="Only say whether a newer source release exists.")
+@click.option("--no-gate", is_flag=True, help="Activate without the tokens/s regression gate.")
+@json_option
+async def update(check_only: bool, no_gate: bool, as_json: bool) -> None:
+    """Build the newest llama.cpp source release and activate it if it is not slower."""
+    from blazar import engine_update
+
+    paths = Paths.from_env().ensure()
+    try:
+        if check_only:
+            status = await trio.to_thread.run_sync(engine_update.check, paths)
+            if as_json:
+                emit_json(status)
+            else:
+                say(f"newer source release {status['latest_version']} (active: {status['current']})"
+                    if status["update_available"] else f"up to date: {status['current']} "
+                    f"(newest release {status['latest_version']})")
+            return
+        progress = BuildProgress(as_json)
+        try:
+            result = await trio.to_thread.run_sync(
+                lambda: engine_update.update(paths, gate=not no_gate, progress=progress))
+        finally:
+            progress.close()
+    except EngineError as error:
+        _fail(error)
+    if as_json:
+        emit_json({"event": "result", **result})
+    else:
+        _print_update(result)
+    if result["action"] == "kept":
+        raise SystemExit(1)
+
+
+def _print_update(result: dict) -> None:
+    if result["action"] == "none":
+        say(f"up to date: {result['current']}")
+        return
+    gate = result.get("gate")
+    if gate:
+        say(f"regression gate on {gate['model']} (tolerance {gate['tolerance_pct']:g}%):")
+        for side in ("old", "new"):
+            figures = gate[side]
+            say(f"  {side} {figures['tag']:<14} prompt {figures['pp_tps']:8.1f} tok/s   "
+                f"generation {figures['tg_tps']:7.1f} tok/s")
+        say(f"  ratios: prompt {gate['pp_ratio']:.3f}, generation {gate['tg_ratio']:.3f}")
+    if result["action"] == "activated":
+        say(f"activated {result['new']}")
+    else:
+        say(f"kept {result['current']}: {result['new']} is slower beyond the tolerance (it stays installed; "
+            f"blazar engine use {result['new']} to take it anyway)")
 
 
 @engine.command()

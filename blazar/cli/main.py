@@ -89,8 +89,6 @@ PENDING: dict[str, tuple[str, str]] = {
     "launch": ("exec an agent CLI against the daemon", "the text lane"),
     "session": ("slot KV checkpoints per model", "session banks"),
     "quantize": ("derive a quantization with llama-quantize", "the model store and engine roster"),
-    "search": ("Hugging Face search", "the model store"),
-    "fit": ("pre-download RAM/VRAM fit preview", "the model store"),
     "lora": ("LoRA adapter management", "LoRA variants"),
     "bench": ("pp/tg benchmark", "the benchmark harness"),
     "tune": ("grid search of serving knobs", "the benchmark harness"),
@@ -123,7 +121,7 @@ def _register() -> None:
     for command in (serve_cmd.serve, serve_cmd.stop, config_cmd.config, doctor_cmd.doctor,
                     completions.completions, engine_cmd.engine, models_cmd.pull, models_cmd.import_,
                     models_cmd.cp, models_cmd.create, models_cmd.rm, models_cmd.list_, models_cmd.show,
-                    models_cmd.mmproj):
+                    models_cmd.mmproj, models_cmd.search, models_cmd.fit):
         cli.add_command(command)
     for name, (purpose, waits_for) in PENDING.items():
         if name not in cli.commands:

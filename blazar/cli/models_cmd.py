@@ -110,14 +110,16 @@ async def pull(target: str, force: bool, verify: bool, as_json: bool) -> None:
             return {"error": f"could not read GGUF metadata: {error}"}
 
     try:
-        manifest = await trio.to_thread.run_sync(lambda: puller.pull(
+        manifest, fetched = await trio.to_thread.run_sync(lambda: puller.pull(
             store, target, force=force, progress=progress, notes=note, with_info=safe_info))
     except StoreError as error:
         progress.close()
         _fail(error)
     progress.close()
     if as_json:
-        emit_json({"status": "success", **_row(manifest)})
+        emit_json({"status": "success", "fetched": fetched, **_row(manifest)})
+    elif not fetched:
+        say(f"{manifest.name} is up to date")
     else:
         say(f"pulled {manifest.name} ({_size(manifest.size)}, sha256 {manifest.blob[:12]}, "
             f"from {manifest.source.get('kind')})")
@@ -300,3 +302,54 @@ def _report(as_json: bool, manifest: ModelManifest, text: str) -> None:
         emit_json(_row(manifest))
     else:
         say(text)
+
+
+@click.command()
+@click.argument("query")
+@click.option("--format", "fmt", type=click.Choice(["gguf", "any"]), default="gguf", show_default=True,
+              help="gguf: repos llama-server can load; any: every format.")
+@click.option("--quant", help="Only repos that ship this quantization (e.g. Q4_K_M).")
+@click.option("--limit", default=20, show_default=True)
+@json_option
+async def search(query: str, fmt: str, quant: str | None, limit: int, as_json: bool) -> None:
+    """Search Hugging Face for models."""
+    from blazar import pull as hub
+
+    try:
+        rows = await trio.to_thread.run_sync(lambda: hub.search(query, any_format=fmt == "any", quant=quant,
+                                                                limit=limit))
+    except StoreError as error:
+        _fail(error)
+    if as_json:
+        for row in rows:
+            emit_json(row)
+        return
+    if not rows:
+        note(f"no {'GGUF ' if fmt == 'gguf' else ''}models match {query!r}")
+        return
+    for row in rows:
+        say(f"{row['id']:<60} {row['downloads'] or 0:>9} downloads  {' '.join(row['quants'])}")
+
+
+@click.command()
+@click.argument("target")
+@click.option("--ctx", "context", type=int, help="Context length to size the KV cache for (default ≤ 4096).")
+@json_option
+async def fit(target: str, context: int | None, as_json: bool) -> None:
+    """Will it fit? RAM/VRAM need from file size + GGUF header + KV cache, with quant alternatives."""
+    from blazar.fit import fit as estimate_fit
+
+    try:
+        report = await trio.to_thread.run_sync(lambda: estimate_fit(_store(), target, context))
+    except StoreError as error:
+        _fail(error)
+    if as_json:
+        emit_json(report)
+        return
+    vram = report["vram_free_bytes"]
+    say(f"available: RAM {_size(report['ram_available_bytes'])}"
+        + (f", VRAM {_size(vram)}" if vram is not None else " (no NVIDIA GPU seen: CPU only)"))
+    for row in report["rows"]:
+        mark = "*" if row.get("chosen") or row.get("installed") else " "
+        say(f"{mark} {row['name']:<50} file {_size(row['file_bytes']):>9}  kv@{row['context']} "
+            f"{_size(row['kv_cache_bytes']):>9}  need {_size(row['need_bytes']):>9}  {row['verdict']}")
