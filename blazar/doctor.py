@@ -125,11 +125,22 @@ def engine_checks(paths: Paths) -> list[Check]:
         rows.append(Check(group="ENGINES", check=tool, status="ok" if found else "warn",
                           detail=found or f"not found; needed by {why}",
                           fix="" if found else "apt-get install cmake g++"))
-    built = sorted(p.name for p in paths.engines.glob("*") if p.is_dir() and not p.name.startswith("."))
-    rows.append(Check(group="ENGINES", check="roster",
-                      status="ok" if built else "warn",
-                      detail=f"{len(built)} engine(s): {', '.join(built)}" if built else "no engine installed",
-                      fix="" if built else "blazar engine build cpu"))
+    from blazar.engines import EngineError, Roster, probe_version
+
+    roster = Roster(paths)
+    entries = roster.entries()
+    active = roster.active()
+    if active is None:
+        rows.append(Check(group="ENGINES", check="active", status="warn", detail="no engine installed",
+                          fix="blazar engine build cpu"))
+        return rows
+    try:
+        version = probe_version(Path(active.binary)).splitlines()[0]
+        rows.append(Check(group="ENGINES", check="active", status="ok",
+                          detail=f"{active.tag} ({version}); {len(entries)} engine(s) installed"))
+    except EngineError as error:
+        rows.append(Check(group="ENGINES", check="active", status="fail", detail=error.message,
+                          fix=f"rebuild: blazar engine build {active.backend if active.backend != 'local' else 'cpu'}"))
     return rows
 
 

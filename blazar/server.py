@@ -32,6 +32,7 @@ from hypercorn.utils import wrap_app
 from blazar import __version__
 from blazar.app import Services, create_app
 from blazar.config import Config, ConfigFile, parse_bind
+from blazar.engines import Roster
 from blazar.middleware import build_stack
 from blazar.paths import Paths
 from supervisors.actor import supervise
@@ -91,7 +92,8 @@ async def run_gateway(
         config_file = ConfigFile(paths.config)
         registry = RegistryClient(
             await root.start(partial(supervise, lambda: RegistryActor(config_file, config))))
-        services = Services(paths=paths, config=config, ledger=ledger, registry=registry)
+        services = Services(paths=paths, config=config, ledger=ledger, registry=registry,
+                            engine_identity=Roster(paths).identity)
         app = create_app(services)
         asgi = build_stack(app, cors_origins=config.cors_origins,
                            body_limit_bytes=config.body_limit_mib * 1024 * 1024,

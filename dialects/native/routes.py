@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import trio
 from quart import Blueprint, current_app
 
 from blazar import __version__
@@ -26,6 +27,6 @@ async def well_known():
         version=__version__,
         census=census,
         dialect_of=dialect_for_path,
-        engine=services.engine_identity(),
+        engine=await trio.to_thread.run_sync(services.engine_identity),
         keys_enabled=bool(services.config.keys),
     ))
