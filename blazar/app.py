@@ -34,6 +34,7 @@ class Services:
     trace_ids: TraceIds = field(default_factory=TraceIds)
     started_at: float = field(default_factory=time.time)
     engine_identity: Callable[[], dict[str, Any] | None] = lambda: None
+    lane: Any = None  # supervisors.text_lane.LaneClient
 
 
 class BlazarApp(QuartTrio):
@@ -78,6 +79,11 @@ def create_app(services: Services) -> BlazarApp:
     from dialects.native.routes import blueprint as native
 
     app.register_blueprint(native)
+    from dialects.native.engine_routes import blueprint as native_engine
+    from dialects.openai.routes import blueprint as openai
+
+    app.register_blueprint(openai)
+    app.register_blueprint(native_engine)
     if test_hooks_enabled():
         from dialects.native.test_hooks import blueprint as hooks
 

@@ -67,6 +67,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cors_origins: list[str] = msgspec.field(default_factory=lambda: ["*"])
     keep_alive: str | int = "5m"
     max_resident_models: int = 3
+    queue_wait_secs: float = 60.0
     spawn_mem_floor_mib: int = 512
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     models: dict[str, ModelSettings] = {}
@@ -81,6 +82,7 @@ KEY_DOCS: dict[str, str] = {
     "cors_origins": "origins allowed by CORS; [\"*\"] allows any",
     "keep_alive": "idle time before a resident model is evicted: 30s, 5m, 1h, or seconds",
     "max_resident_models": "how many models may be resident at once",
+    "queue_wait_secs": "longest a request waits for a free slot before a 503 all_slots_busy",
     "spawn_mem_floor_mib": "MemAvailable that must remain after loading a model",
     "engine.retention": "engines kept by `engine prune` besides the active one",
     "engine.update_tolerance_pct": "largest tokens/s regression `engine update` accepts",
@@ -260,6 +262,7 @@ def _check_semantics(config: Config, source: str) -> None:
     for key, number in (("shutdown_grace_secs", config.shutdown_grace_secs),
                         ("body_limit_mib", config.body_limit_mib),
                         ("max_resident_models", config.max_resident_models),
+                        ("queue_wait_secs", config.queue_wait_secs),
                         ("spawn_mem_floor_mib", config.spawn_mem_floor_mib),
                         ("engine.retention", config.engine.retention)):
         if number < 0:

@@ -38,6 +38,7 @@ from blazar.paths import Paths
 from supervisors.actor import supervise
 from supervisors.ledger import LedgerActor, LedgerClient
 from supervisors.registry import RegistryActor, RegistryClient
+from supervisors.text_lane import LaneClient, TextLane
 
 log = logging.getLogger("blazar.serve")
 
@@ -92,8 +93,10 @@ async def run_gateway(
         config_file = ConfigFile(paths.config)
         registry = RegistryClient(
             await root.start(partial(supervise, lambda: RegistryActor(config_file, config))))
+        lane = LaneClient(await root.start(partial(
+            supervise, lambda: TextLane(paths, config, ledger=ledger), mailbox_size=1024)))
         services = Services(paths=paths, config=config, ledger=ledger, registry=registry,
-                            engine_identity=Roster(paths).identity)
+                            engine_identity=Roster(paths).identity, lane=lane)
         app = create_app(services)
         asgi = build_stack(app, cors_origins=config.cors_origins,
                            body_limit_bytes=config.body_limit_mib * 1024 * 1024,

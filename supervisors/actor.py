@@ -72,14 +72,15 @@ def root_cause(error: BaseException) -> BaseException:
     return error
 
 
-def answer(reply: trio.MemorySendChannel | None, result: Reply) -> None:
-    """Deliver a reply; a caller that already left (timeout, hang-up) is not an error."""
+def answer(reply: trio.MemorySendChannel | None, result: Reply) -> bool:
+    """Deliver a reply; a caller that already left (timeout, hang-up) is not an error. True if delivered."""
     if reply is None:
-        return
+        return False
     try:
         reply.send_nowait(result)
     except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
-        pass
+        return False
+    return True
 
 
 async def call(
@@ -194,6 +195,8 @@ async def supervise(
     with recv:
         while True:
             actor = factory()
+            # Each incarnation gets the send side of its own mailbox, so its child tasks can report back.
+            actor.mailbox = send
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(actor.run, recv)

@@ -1,0 +1,122 @@
+"""From a route to an engine child and back: ensure the model, submit, relay the reply or stream.
+
+Routes stay mailboxes: they decode and validate, then call `forward()`, which asks the text lane
+for the model's instance, submits one `Submit` envelope with the request's schedule, and returns
+what the instance answers. A client that leaves while queued withdraws its ticket at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+import trio
+from quart import Response
+
+from blazar.admission import HeaderError, schedule
+from blazar.errors import error_bytes
+from lanes.llamacpp import engine_error_text
+from supervisors.actor import ActorError, ActorUnavailable, Err, call, tell
+from supervisors.instance import StreamFailure, Submit, UpstreamCall, UpstreamReply, UpstreamStream, Withdraw, \
+    next_ticket
+
+REQUEST_CALL_LIMIT_SECS = 3600.0  # the longest a single generation may take end to end
+
+
+class Refusal(Exception):
+    """A teaching error to send as the dialect's error response."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, hint: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.hint = hint
+
+    @classmethod
+    def from_err(cls, err: Err) -> Refusal:
+        return cls(err.status, err.message, code=err.code, hint=err.hint)
+
+    def response(self, path: str) -> Response:
+        message = f"{self.message} (fix: {self.hint})" if self.hint else self.message
+        extra = {"hint": self.hint} if self.hint else {}
+        return Response(error_bytes(path, self.status, message, **extra), status=self.status,
+                        content_type="application/json")
+
+
+def num_ctx_header(headers: Any) -> int | None:
+    raw = headers.get("x-blazar-num-ctx")
+    if raw is None or raw.strip() == "":
+        return None
+    if not raw.strip().isdigit() or int(raw) < 128:
+        raise Refusal(400, f"X-Blazar-Num-Ctx must be a whole number of tokens ≥ 128, got {raw!r}",
+                      hint="e.g. X-Blazar-Num-Ctx: 8192")
+    return int(raw)
+
+
+async def forward(services: Any, model: str, upstream: UpstreamCall, headers: Any,
+                  keep_alive: float | None = None, num_ctx: int | None = None) -> UpstreamReply | UpstreamStream:
+    """Raises Refusal for anything the client should hear as an error."""
+    if num_ctx is None:
+        num_ctx = num_ctx_header(headers)
+    try:
+        handle = await services.lane.ensure(model, num_ctx)
+    except ActorError as error:
+        raise Refusal.from_err(error.err) from None
+    except ActorUnavailable as error:
+        raise Refusal(503, f"the text lane did not answer: {error}", hint="retry in a moment") from None
+    now = trio.current_time()
+    try:
+        plan = schedule(now, priority=headers.get("x-blazar-priority"), deadline_ms=headers.get("x-blazar-deadline-ms"),
+                        max_wait=services.config.queue_wait_secs)
+    except HeaderError as error:
+        raise Refusal(400, str(error)) from None
+    ticket = next_ticket()
+    try:
+        return await call(handle.mailbox, lambda reply: Submit(
+            reply=reply, ticket=ticket, call=upstream, due=plan.due, expire_at=plan.expire_at,
+            keep_alive=keep_alive), within=REQUEST_CALL_LIMIT_SECS)
+    except ActorError as error:
+        raise Refusal.from_err(error.err) from None
+    except ActorUnavailable as error:
+        raise Refusal(502, f"{handle.key}'s instance stopped answering: {error}") from None
+    except BaseException:
+        tell(handle.mailbox, Withdraw(ticket=ticket))  # the client left while queued: free its place now
+        raise
+
+
+def engine_failure(reply: UpstreamReply) -> Refusal:
+    text = engine_error_text(reply.body)
+    if 400 <= reply.status < 500:
+        return Refusal(reply.status, f"the engine refused the request: {text}")
+    return Refusal(502, f"the engine failed ({reply.status}): {text}")
+
+
+def json_reply(reply: UpstreamReply, transform: Callable[[Any], Any] | None = None,
+               headers: dict[str, str] | None = None) -> Response:
+    if reply.status >= 400:
+        raise engine_failure(reply)
+    body = reply.body
+    if transform is not None and "json" in reply.content_type:
+        body = msgspec.json.encode(transform(msgspec.json.decode(body)))
+    return Response(body, status=reply.status, content_type=reply.content_type or "application/json",
+                    headers=headers)
+
+
+def sse_response(stream: UpstreamStream, rewrite: Callable[[bytes], bytes], error_frame: Callable[[str], bytes],
+                 headers: dict[str, str] | None = None) -> Response:
+    async def body() -> AsyncIterator[bytes]:
+        with stream.chunks:
+            async for item in stream.chunks:
+                if isinstance(item, StreamFailure):
+                    yield error_frame(item.message)
+                    return
+                out = rewrite(item)
+                if out:
+                    yield out
+
+    response = Response(body(), content_type="text/event-stream",
+                        headers={"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})})
+    response.timeout = None  # quart-trio would cut a stream at 60 s
+    return response

@@ -1,0 +1,138 @@
+"""llama-server's own routes, resolved to a child: X-Blazar-Model > ?model= > the single hot child.
+
+Their bodies carry no model field upstream, so Blazar picks the target; with several models
+resident and no selector the request is refused with the list to choose from.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from quart import Blueprint, Response, current_app, request
+
+from blazar.relay import Refusal, forward, json_reply, sse_response
+from dialects.openai.routes import openai_error_frame
+from dialects.openai.translate import ChatStreamRewriter
+from supervisors.instance import UpstreamCall, UpstreamReply
+
+blueprint = Blueprint("native_engine", __name__)
+
+
+async def target_model() -> str:
+    chosen = request.headers.get("x-blazar-model") or request.args.get("model")
+    if chosen:
+        return chosen
+    live = [row for row in await current_app.services.lane.ps() if row.get("state") in ("ready", "busy")]
+    if len(live) == 1:
+        return live[0]["model"]
+    if not live:
+        raise Refusal(400, f"{request.path} needs a model: no model is loaded",
+                      hint="send X-Blazar-Model: <model> or ?model=<model>")
+    names = ", ".join(sorted(row["model"] for row in live))
+    raise Refusal(400, f"{request.path} needs a model: several are loaded ({names})",
+                  hint="send X-Blazar-Model: <model> or ?model=<model>")
+
+
+async def _native(path: str, method: str = "POST", *, stream_ok: bool = False):
+    try:
+        model = await target_model()
+        raw = await request.get_data() if method == "POST" else b""
+        stream = False
+        if stream_ok and raw:
+            try:
+                stream = msgspec.json.decode(raw).get("stream") is True
+            except (msgspec.DecodeError, AttributeError):
+                raise Refusal(400, "the request body must be a JSON object") from None
+        result = await forward(current_app.services, model,
+                               UpstreamCall(method=method, path=path, body=raw, stream=stream), request.headers)
+        if isinstance(result, UpstreamReply):
+            return json_reply(result)
+        return sse_response(result, ChatStreamRewriter(strip_think=False).feed, openai_error_frame)
+    except Refusal as error:
+        return error.response(request.path)
+
+
+@blueprint.post("/tokenize")
+async def tokenize():
+    return await _native("/tokenize")
+
+
+@blueprint.post("/detokenize")
+async def detokenize():
+    return await _native("/detokenize")
+
+
+@blueprint.post("/apply-template")
+async def apply_template():
+    return await _native("/apply-template")
+
+
+@blueprint.post("/infill")
+async def infill():
+    return await _native("/infill", stream_ok=True)
+
+
+@blueprint.post("/completion")
+async def completion():
+    return await _native("/completion", stream_ok=True)
+
+
+@blueprint.post("/embeddings")
+async def native_embeddings():
+    return await _native("/embeddings")
+
+
+@blueprint.post("/rerank")
+@blueprint.post("/reranking")
+async def native_rerank():
+    return await _native("/rerank")
+
+
+@blueprint.get("/props")
+async def props():
+    return await _native("/props", "GET")
+
+
+@blueprint.get("/slots")
+async def slots():
+    return await _native("/slots", "GET")
+
+
+@blueprint.post("/slots/<int:slot_id>")
+async def slot_action(slot_id: int):
+    action = request.args.get("action")
+    if action not in ("save", "restore", "erase"):
+        return Refusal(400, f"?action= must be save, restore or erase, got {action!r}").response(request.path)
+    return await _native(f"/slots/{slot_id}?action={action}")
+
+
+@blueprint.get("/api/ps")
+async def ps():
+    rows = await current_app.services.lane.ps()
+    return Response(msgspec.json.encode({"models": rows}), content_type="application/json")
+
+
+@blueprint.post("/api/ps/reset")
+async def ps_reset():
+    cleared = await current_app.services.lane.reset(request.args.get("model"))
+    return Response(msgspec.json.encode({"cleared": cleared}), content_type="application/json")
+
+
+@blueprint.post("/api/evict")
+async def evict():
+    raw = await request.get_data()
+    try:
+        model = msgspec.json.decode(raw).get("model") if raw else request.args.get("model")
+    except (msgspec.DecodeError, AttributeError):
+        model = None
+    if not isinstance(model, str) or not model:
+        return Response(msgspec.json.encode({"error": "`model` is required: {\"model\": \"smollm2:135m\"}"}),
+                        status=400, content_type="application/json")
+    from supervisors.actor import ActorError
+
+    try:
+        result = await current_app.services.lane.unload(model)
+    except ActorError as error:
+        return Response(msgspec.json.encode({"error": error.err.message}), status=error.err.status,
+                        content_type="application/json")
+    return Response(msgspec.json.encode({"status": "evicted", "model": result.get("model")}),
+                    content_type="application/json")
