@@ -68,6 +68,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     keep_alive: str | int = "5m"
     max_resident_models: int = 3
     queue_wait_secs: float = 60.0
+    spawn_timeout_secs: float = 120.0
     spawn_mem_floor_mib: int = 512
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     models: dict[str, ModelSettings] = {}
@@ -83,6 +84,7 @@ KEY_DOCS: dict[str, str] = {
     "keep_alive": "idle time before a resident model is evicted: 30s, 5m, 1h, or seconds",
     "max_resident_models": "how many models may be resident at once",
     "queue_wait_secs": "longest a request waits for a free slot before a 503 all_slots_busy",
+    "spawn_timeout_secs": "how long an engine child may take to load before the request gets a 502",
     "spawn_mem_floor_mib": "MemAvailable that must remain after loading a model",
     "engine.retention": "engines kept by `engine prune` besides the active one",
     "engine.update_tolerance_pct": "largest tokens/s regression `engine update` accepts",

@@ -18,8 +18,15 @@ from blazar.admission import HeaderError, schedule
 from blazar.errors import error_bytes
 from lanes.llamacpp import engine_error_text
 from supervisors.actor import ActorError, ActorUnavailable, Err, call, tell
-from supervisors.instance import StreamFailure, Submit, UpstreamCall, UpstreamReply, UpstreamStream, Withdraw, \
-    next_ticket
+from supervisors.instance import (
+    StreamFailure,
+    Submit,
+    UpstreamCall,
+    UpstreamReply,
+    UpstreamStream,
+    Withdraw,
+    next_ticket,
+)
 
 REQUEST_CALL_LIMIT_SECS = 3600.0  # the longest a single generation may take end to end
 

@@ -38,7 +38,6 @@ log = logging.getLogger("blazar.lane")
 
 CRASH_BUDGET = 3
 CRASH_WINDOW_SECS = 300.0
-SPAWN_TIMEOUT_SECS = 120.0
 
 
 class Ensure(Envelope, frozen=True, tag="ensure"):
@@ -105,6 +104,12 @@ class TextLane(MessageLoop):
                 return None
             case Unload(model=model):
                 resident = self._find(model)
+                if resident is None:
+                    try:
+                        resolved = await trio.to_thread.run_sync(Store(self.paths).resolve, model)
+                    except StoreError as error:
+                        return Err("model_not_found", error.message, hint=error.fix, status=404)
+                    resident = self._find(resolved)
                 if resident is None:
                     return Err("not_loaded", f"{model} is not loaded", hint="blazar ps lists loaded models",
                                status=404)
@@ -197,7 +202,7 @@ class TextLane(MessageLoop):
                    hint="free memory or unload a model (blazar stop MODEL), pick a smaller quant (blazar fit), "
                    "or lower the floor: blazar config set spawn_mem_floor_mib 0", status=507)
 
-    def _make_room(self) -> trio.Event | None | Err:
+    def _make_room(self) -> trio.Event | Err | None:
         live = {k: r for k, r in self.residents.items() if r.state != State.STOPPED}
         if len(live) < max(1, self.config.max_resident_models):
             return None
@@ -216,12 +221,12 @@ class TextLane(MessageLoop):
 
     async def _start(self, plan: SpawnPlan, wait_for: trio.Event | None) -> Handle:
         keep_alive = parse_duration(
-            (self.config.models.get(plan.model).keep_alive if self.config.models.get(plan.model)
-             and self.config.models.get(plan.model).keep_alive is not None else self.config.keep_alive))
+            self.config.models.get(plan.model).keep_alive if self.config.models.get(plan.model)
+             and self.config.models.get(plan.model).keep_alive is not None else self.config.keep_alive)
         recent = self._recent_crashes(plan.model)
         delay = min(5.0, 0.5 * 2 ** (recent - 1)) if recent else 0.0
         instance = Instance(plan.model, plan, lane=self.mailbox, keep_alive=keep_alive,
-                            spawn_timeout=SPAWN_TIMEOUT_SECS, children_dir=self.paths.run / "children",
+                            spawn_timeout=self.config.spawn_timeout_secs, children_dir=self.paths.run / "children",
                             wait_before_spawn=wait_for, spawn_delay=delay)
         send, receive = trio.open_memory_channel[Envelope](256)
         await self.nursery.start(instance.run, receive, send)

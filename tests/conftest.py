@@ -42,7 +42,7 @@ class Gateway:
     shutdown: trio.Event
 
     def client(self, **kwargs) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.url, timeout=10, **kwargs)
+        return httpx.AsyncClient(base_url=self.url, **{"timeout": 10, **kwargs})
 
 
 async def start_gateway(nursery: trio.Nursery, paths: Paths, **overrides) -> Gateway:

@@ -84,8 +84,6 @@ def _refused(name: str, verb: str) -> click.Command:
 # What each not-yet command will do, and the capability it waits for. They exit non-zero and
 # print nothing on stdout, so no script mistakes them for a result.
 PENDING: dict[str, tuple[str, str]] = {
-    "run": ("chat REPL / one-shot against a model", "the text lane (llama-server children)"),
-    "ps": ("live instances: state, ctx, in-flight, idle countdown", "the text lane"),
     "launch": ("exec an agent CLI against the daemon", "the text lane"),
     "session": ("slot KV checkpoints per model", "session banks"),
     "quantize": ("derive a quantization with llama-quantize", "the model store and engine roster"),
@@ -116,12 +114,12 @@ def _pending(name: str, purpose: str, waits_for: str) -> click.Command:
 
 
 def _register() -> None:
-    from blazar.cli import completions, config_cmd, doctor_cmd, engine_cmd, models_cmd, serve_cmd
+    from blazar.cli import chat_cmd, completions, config_cmd, doctor_cmd, engine_cmd, models_cmd, serve_cmd
 
     for command in (serve_cmd.serve, serve_cmd.stop, config_cmd.config, doctor_cmd.doctor,
                     completions.completions, engine_cmd.engine, models_cmd.pull, models_cmd.import_,
                     models_cmd.cp, models_cmd.create, models_cmd.rm, models_cmd.list_, models_cmd.show,
-                    models_cmd.mmproj, models_cmd.search, models_cmd.fit):
+                    models_cmd.mmproj, models_cmd.search, models_cmd.fit, chat_cmd.run, chat_cmd.ps):
         cli.add_command(command)
     for name, (purpose, waits_for) in PENDING.items():
         if name not in cli.commands:

@@ -9,7 +9,7 @@ import asyncclick as click
 import msgspec
 import trio
 
-from blazar.cli.output import EXIT_CONFIG, EXIT_UNAVAILABLE, emit_json, fail, note, say
+from blazar.cli.output import EXIT_CONFIG, emit_json, fail, note, say
 from blazar.config import ConfigError, ConfigFile
 from blazar.logs import setup_logging
 from blazar.paths import Paths
@@ -44,10 +44,10 @@ async def stop(model: str | None, as_json: bool, wait_secs: float) -> None:
     """Stop the daemon; with MODEL, unload that model now."""
     from blazar.server import read_daemon_file
 
-    if model:
-        fail(f"blazar stop {model}: unloading one model arrives with the text lane; nothing was done. "
-             "`blazar stop` with no model stops the whole daemon.", code=EXIT_UNAVAILABLE)
     paths = Paths.from_env()
+    if model:
+        await _unload(paths, model, as_json)
+        return
     info = read_daemon_file(paths)
     if info is None:
         fail(f"no blazar daemon is running for {paths.home}", fix="start one with `blazar serve`")
@@ -80,3 +80,19 @@ def _alive(pid: int) -> bool:
             return stat.read().split(") ", 1)[1][0] != "Z"
     except OSError:
         return True
+
+
+async def _unload(paths: Paths, model: str, as_json: bool) -> None:
+    import httpx
+
+    from blazar.cli.daemon import require_daemon
+
+    url = await require_daemon(paths)
+    async with httpx.AsyncClient(timeout=60) as client:
+        response = await client.post(f"{url}/api/evict", json={"model": model})
+    if response.status_code != 200:
+        fail(f"blazar stop {model}: {response.json().get('error')}", fix="blazar ps lists loaded models")
+    if as_json:
+        emit_json(response.json())
+    else:
+        say(f"unloaded {response.json().get('model') or model}")

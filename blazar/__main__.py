@@ -1,0 +1,3 @@
+from blazar.cli.main import entrypoint
+
+entrypoint()

@@ -1,0 +1,204 @@
+"""`blazar run` (chat REPL / one-shot) and `blazar ps`."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import asyncclick as click
+import httpx
+import msgspec
+import trio
+
+from blazar.cli.daemon import ensure_daemon, require_daemon
+from blazar.cli.output import emit_json, fail, note, say
+from blazar.paths import Paths
+from blazar.pull import DEFAULT_MODEL
+
+SLASH_HELP = """/exit        leave (also /bye, Ctrl-D)
+/clear       forget the conversation so far
+/model NAME  switch to another model
+/sysinfo     what the daemon is running
+/profile     the model's effective settings"""
+
+
+def _looks_like_model(text: str) -> bool:
+    from blazar.store import NAME_PATTERN
+
+    return bool(NAME_PATTERN.match(text))
+
+
+async def _installed_or_pull(model: str) -> str:
+    """Resolve MODEL in the store, pulling it first when it is missing (auto-pull)."""
+    from blazar import pull as puller
+    from blazar.cli.models_cmd import PullProgress
+    from blazar.store import Store, StoreError
+
+    store = Store(Paths.from_env().ensure())
+    try:
+        return await trio.to_thread.run_sync(store.resolve, model)
+    except StoreError as error:
+        if error.status != 404:
+            fail(error.message, fix=error.fix)
+    note(f"{model} is not installed; pulling it")
+    progress = PullProgress(as_json=False)
+    try:
+        manifest, _ = await trio.to_thread.run_sync(
+            lambda: puller.pull(store, model, progress=progress, notes=note))
+    except StoreError as error:
+        progress.close()
+        fail(error.message, fix=error.fix)
+    progress.close()
+    return manifest.name
+
+
+async def _chat(client: httpx.AsyncClient, url: str, model: str, messages: list[dict[str, Any]],
+                max_tokens: int | None, verbose: bool) -> str:
+    body: dict[str, Any] = {"model": model, "messages": messages, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if max_tokens:
+        body["max_tokens"] = max_tokens
+    started = time.perf_counter()
+    first_token: float | None = None
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    timings: dict[str, Any] = {}
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            payload = await response.aread()
+            try:
+                message = msgspec.json.decode(payload)["error"]["message"]
+            except (msgspec.DecodeError, KeyError, TypeError):
+                message = payload.decode(errors="replace")
+            fail(f"{model}: {message}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            event = msgspec.json.decode(data)
+            if "error" in event:
+                sys.stdout.write("\n")
+                fail(f"{model}: {event['error'].get('message')}")
+            for choice in event.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    if first_token is None:
+                        first_token = time.perf_counter()
+                    text.append(piece)
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            usage = event.get("usage") or usage
+            timings = event.get("timings") or timings
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if verbose:
+        total = time.perf_counter() - started
+        note(f"total duration:       {total:.3f}s")
+        if first_token is not None:
+            note(f"time to first token:  {first_token - started:.3f}s")
+        if usage:
+            note(f"prompt eval count:    {usage.get('prompt_tokens')} token(s)")
+            note(f"eval count:           {usage.get('completion_tokens')} token(s)")
+        if timings:
+            note(f"prompt eval rate:     {timings.get('prompt_per_second', 0):.2f} tokens/s")
+            note(f"eval rate:            {timings.get('predicted_per_second', 0):.2f} tokens/s")
+    return "".join(text)
+
+
+@click.command(context_settings={"allow_interspersed_args": False})
+@click.argument("model", required=False)
+@click.argument("prompt", nargs=-1)
+@click.option("-v", "--verbose", is_flag=True, help="Print timings and eval counts after each answer.")
+@click.option("--max-tokens", type=int, help="Cap the answer length (one-shot only).")
+@click.option("--system", help="A system prompt for the conversation.")
+async def run(model: str | None, prompt: tuple[str, ...], verbose: bool, max_tokens: int | None,
+              system: str | None) -> None:
+    """Chat with MODEL (default smollm2:135m): one-shot with PROMPT, else a REPL. Flags go before the prompt."""
+    paths = Paths.from_env().ensure()
+    if model and not _looks_like_model(model):
+        prompt = (model, *prompt)  # `blazar run "a question"`: the embedded default answers it
+        model = None
+    model = await _installed_or_pull(model or DEFAULT_MODEL)
+    one_shot = " ".join(prompt).strip()
+    if not one_shot and not sys.stdin.isatty():
+        one_shot = (await trio.to_thread.run_sync(sys.stdin.read)).strip()
+    if max_tokens is not None and not one_shot:
+        fail("--max-tokens applies to one-shot prompts only", fix=f"blazar run {model} --max-tokens N \"your prompt\"")
+    url = await ensure_daemon(paths)
+    base = [{"role": "system", "content": system}] if system else []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10)) as client:
+        if one_shot:
+            await _chat(client, url, model, [*base, {"role": "user", "content": one_shot}], max_tokens, verbose)
+            return
+        note(f"chatting with {model}; /? for commands, /exit to leave")
+        messages = list(base)
+        while True:
+            try:
+                line = await trio.to_thread.run_sync(input, ">>> ")
+            except EOFError:
+                say("")
+                return
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("/"):
+                command, _, argument = line.partition(" ")
+                if command in ("/exit", "/bye"):
+                    return
+                if command == "/clear":
+                    messages = list(base)
+                    note("conversation cleared")
+                elif command == "/model":
+                    if not argument.strip():
+                        note(f"current model: {model}; /model NAME switches")
+                    else:
+                        model = await _installed_or_pull(argument.strip())
+                        note(f"now chatting with {model}")
+                elif command == "/sysinfo":
+                    rows = (await client.get(f"{url}/api/ps")).json()["models"]
+                    note(f"daemon {url}")
+                    for row in rows:
+                        note(f"  {row['model']}: {row['state']}, ctx {row.get('context')}, engine {row.get('engine')}, "
+                             f"pid {row.get('pid')}, in flight {row.get('in_flight')}")
+                elif command == "/profile":
+                    from blazar.cli.models_cmd import show
+
+                    await show.callback(model, False)
+                else:
+                    note(SLASH_HELP)
+                continue
+            messages.append({"role": "user", "content": line})
+            answer = await _chat(client, url, model, messages, None, verbose)
+            messages.append({"role": "assistant", "content": answer})
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON line per instance.")
+@click.option("--reset", is_flag=True, help="Clear crash breakers so failed models may start again.")
+async def ps(as_json: bool, reset: bool) -> None:
+    """Live instances: state, ctx, in-flight, idle countdown."""
+    url = await require_daemon(Paths.from_env())
+    async with httpx.AsyncClient(timeout=10) as client:
+        if reset:
+            cleared = (await client.post(f"{url}/api/ps/reset")).json()["cleared"]
+            note(f"breakers cleared: {', '.join(cleared)}" if cleared else "no breaker was open")
+        rows = (await client.get(f"{url}/api/ps")).json()["models"]
+    if as_json:
+        for row in rows:
+            emit_json(row)
+        return
+    if not rows:
+        note("no models loaded")
+        return
+    say(f"{'MODEL':<28} {'STATE':<9} {'CTX':>6} {'SLOTS':>5} {'IN-FLIGHT':>9} {'QUEUED':>6} {'IDLE-IN':>8} "
+        f"{'ENGINE':<12} PID")
+    for row in rows:
+        idle = row.get("idle_expires_in_secs")
+        say(f"{row['model']:<28} {row['state']:<9} {row.get('context') or '':>6} {row.get('slots') or '':>5} "
+            f"{row.get('in_flight', ''):>9} {row.get('queued', ''):>6} "
+            f"{'' if idle is None else f'{idle:.0f}s':>8} {row.get('engine') or '':<12} {row.get('pid') or ''}")
+        if row.get("state") == "broken":
+            note(f"  {row['failure']}\n  fix: blazar ps --reset")

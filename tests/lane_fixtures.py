@@ -1,0 +1,51 @@
+"""Homes with an engine and a model registered without copying: the shared engine binary and the
+shared SmolLM2 blob (hardlinked), or the labelled FakeLlamaServer for fault injection."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+
+from blazar.engines import EngineEntry, Roster
+from blazar.paths import Paths
+from blazar.store import Store
+
+FAKE_ENGINE = Path(__file__).parent / "engines" / "fake_llama_server.py"
+
+
+def register_engine(home: Paths, binary: Path, tag: str) -> None:
+    Roster(home).add(EngineEntry(tag=tag, binary=str(binary), sha256="0" * 64, created_at=time.time(), pseudo=True))
+
+
+def add_shared_model(home: Paths, shared_home: Paths, name: str = "smollm2:135m") -> None:
+    shared = Store(shared_home)
+    manifest = shared.get("smollm2:135m")
+    store = Store(home)
+    target = store.blob_path(manifest.blob)
+    if not target.exists():
+        os.link(shared.blob_of(manifest), target)
+    manifest.name = name
+    store.put(manifest)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+async def ps(client: httpx.AsyncClient) -> list[dict]:
+    return (await client.get("/api/ps")).json()["models"]
+
+
+def chat_body(model: str = "smollm2:135m", text: str = "Say hello.", **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": text}], **extra}

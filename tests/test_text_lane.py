@@ -1,0 +1,240 @@
+"""The text lane against a real llama-server on SmolLM2: spawn on demand, buffered and streamed
+chat, embeddings, tokenize, idle and LRU eviction, admission order, 503 on expiry, withdrawal."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import trio
+
+from blazar.config import ModelSettings
+from blazar.paths import Paths
+from tests.conftest import start_gateway
+from tests.lane_fixtures import add_shared_model, chat_body, pid_alive, ps, register_engine
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture
+def lane_home(home: Paths, shared_home: Paths, shared_engine) -> Paths:
+    register_engine(home, shared_engine.binary, shared_engine.tag)
+    add_shared_model(home, shared_home)
+    return home
+
+
+async def gateway_with(nursery, home, **overrides):
+    return await start_gateway(nursery, home, **overrides)
+
+
+async def test_first_request_spawns_a_child_and_chat_answers(nursery, lane_home, shared_engine):
+    gateway = await gateway_with(nursery, lane_home)
+    with trio.fail_after(60):
+        async with gateway.client() as client:
+            assert await ps(client) == []
+            response = await client.post("/v1/chat/completions", json=chat_body(max_tokens=16))
+            assert response.status_code == 200, response.text
+            body = response.json()
+            assert body["object"] == "chat.completion" and body["model"] == "smollm2:135m"
+            assert body["choices"][0]["message"]["content"].strip()
+            assert body["usage"]["completion_tokens"] > 0
+            (row,) = await ps(client)
+            assert row["state"] == "ready" and row["engine"] == shared_engine.tag
+            assert pid_alive(row["pid"])
+            assert (lane_home.run / "children" / f"{row['pid']}.json").exists()
+        events = await gateway.services.ledger.recent_events(kind="spawn")
+        assert events and events[0]["model"] == "smollm2:135m"
+
+
+async def test_streamed_chat_arrives_as_it_is_generated(nursery, lane_home):
+    gateway = await gateway_with(nursery, lane_home)
+    with trio.fail_after(60):
+        async with gateway.client() as client:
+            await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))  # warm
+            arrivals, pieces = [], []
+            async with client.stream("POST", "/v1/chat/completions",
+                                     json=chat_body(text="Count from one to twenty.", stream=True, max_tokens=60)
+                                     ) as response:
+                assert response.status_code == 200
+                assert response.headers["content-type"].startswith("text/event-stream")
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        arrivals.append(trio.current_time())
+                        pieces.append(line[6:])
+    assert pieces[-1] == "[DONE]"
+    events = [json.loads(p) for p in pieces[:-1]]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
+    assert len(events) > 10 and text.strip()
+    # Relayed as produced: the first token came well before the last.
+    assert arrivals[-1] - arrivals[0] > 0.1
+
+
+async def test_embeddings_and_a_tokenize_round_trip(nursery, lane_home):
+    gateway = await gateway_with(nursery, lane_home)
+    with trio.fail_after(60):
+        async with gateway.client() as client:
+            embedded = await client.post("/v1/embeddings", json={"model": "smollm2", "input": ["hello", "world"]})
+            assert embedded.status_code == 200, embedded.text
+            vectors = [d["embedding"] for d in embedded.json()["data"]]
+            assert len(vectors) == 2 and len(vectors[0]) == 576 and vectors[0] != vectors[1]
+            tokens = (await client.post("/tokenize", json={"content": "The quick brown fox"})).json()["tokens"]
+            assert tokens
+            text = (await client.post("/detokenize", json={"tokens": tokens})).json()["content"]
+            assert text.strip() == "The quick brown fox"
+            counted = await client.post("/v1/chat/completions/input_tokens", json=chat_body(text="The quick brown fox"))
+            assert counted.json()["input_tokens"] > len(tokens)
+
+
+async def test_idle_model_is_evicted_and_its_child_reaped(nursery, lane_home):
+    gateway = await gateway_with(nursery, lane_home, keep_alive="1s")
+    with trio.fail_after(60):
+        async with gateway.client() as client:
+            await client.post("/v1/chat/completions", json=chat_body(max_tokens=2))
+            (row,) = await ps(client)
+            while await ps(client):
+                await trio.sleep(0.1)
+        assert not pid_alive(row["pid"])
+        assert not list((lane_home.run / "children").glob("*.json"))
+        assert await gateway.services.ledger.recent_events(kind="evict")
+
+
+async def test_a_model_with_a_request_in_flight_is_never_evicted(nursery, lane_home):
+    gateway = await gateway_with(nursery, lane_home, keep_alive="1s")
+    with trio.fail_after(60):
+        async with gateway.client() as client:
+            await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))
+            states = []
+            async with client.stream("POST", "/v1/chat/completions", json=chat_body(
+                    text="Write a long story about a dragon.", stream=True, max_tokens=350,
+                    temperature=0, ignore_eos=True)) as response:
+                async for _ in response.aiter_lines():
+                    if (rows := await ps(client)) and len(states) < 500:
+                        states.append(rows[0]["state"])
+            assert states.count("busy") > 10 and set(states) <= {"busy", "ready"}
+            assert (await ps(client))  # still resident right after
+
+
+async def test_the_least_recently_used_idle_model_is_evicted_at_the_cap(nursery, lane_home, shared_home):
+    add_shared_model(lane_home, shared_home, name="second:1")
+    gateway = await gateway_with(nursery, lane_home, max_resident_models=1)
+    with trio.fail_after(90):
+        async with gateway.client() as client:
+            assert (await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))).status_code == 200
+            (first,) = await ps(client)
+            assert (await client.post("/v1/chat/completions", json=chat_body("second:1", max_tokens=1))
+                    ).status_code == 200
+            rows = await ps(client)
+            assert [r["model"] for r in rows] == ["second:1"]
+            assert not pid_alive(first["pid"])
+        evictions = await gateway.services.ledger.recent_events(kind="evict")
+        assert evictions[0]["model"] == "smollm2:135m" and "resident cap" in evictions[0]["detail"]
+
+
+def one_slot(**extra):
+    return {"models": {"smollm2:135m": ModelSettings(parallel=1)}, **extra}
+
+
+async def _long_request(client, done, name):
+    response = await client.post("/v1/chat/completions", json=chat_body(
+        text="Tell a long story.", max_tokens=120, temperature=0, ignore_eos=True))
+    done.append((name, response.status_code))
+
+
+async def test_high_priority_overtakes_low_in_a_saturated_queue(nursery, lane_home):
+    gateway = await gateway_with(nursery, lane_home, **one_slot())
+    done: list = []
+    with trio.fail_after(90):
+        async with gateway.client(timeout=60) as client:
+            await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))
+
+            async def tagged(name, priority):
+                response = await client.post("/v1/chat/completions", headers={"X-Blazar-Priority": priority},
+                                             json=chat_body(max_tokens=4))
+                done.append((name, response.status_code))
+
+            async with trio.open_nursery() as requests:
+                requests.start_soon(_long_request, client, done, "blocker")
+                await trio.sleep(0.3)
+                requests.start_soon(tagged, "low", "LOW")
+                await trio.sleep(0.2)
+                requests.start_soon(tagged, "high", "High")
+    assert done == [("blocker", 200), ("high", 200), ("low", 200)]
+
+
+async def test_a_request_that_waits_too_long_gets_503_all_slots_busy(nursery, lane_home):
+    gateway = await gateway_with(nursery, lane_home, **one_slot(queue_wait_secs=0.5))
+    done: list = []
+    with trio.fail_after(90):
+        async with gateway.client(timeout=60) as client:
+            await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))
+            async with trio.open_nursery() as requests:
+                requests.start_soon(_long_request, client, done, "blocker")
+                await trio.sleep(0.3)
+                refused = await client.post("/v1/chat/completions", json=chat_body(max_tokens=4))
+    assert refused.status_code == 503
+    error = refused.json()["error"]
+    assert error["type"] == "all_slots_busy" or error["code"] == "all_slots_busy"
+    assert "X-Blazar-Priority" in error["message"] and "parallel" in error["message"]
+    assert done == [("blocker", 200)]
+
+
+async def test_a_client_that_leaves_the_queue_frees_its_place_at_once(nursery, lane_home):
+    gateway = await gateway_with(nursery, lane_home, **one_slot())
+    done: list = []
+    with trio.fail_after(90):
+        async with gateway.client(timeout=60) as client:
+            await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))
+            async with trio.open_nursery() as requests:
+                requests.start_soon(_long_request, client, done, "blocker")
+                await trio.sleep(0.3)
+                with trio.move_on_after(0.3):
+                    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as leaver:
+                        await leaver.post("/v1/chat/completions", json=chat_body(max_tokens=4))
+                queued = []
+                for _ in range(20):
+                    queued.append((await ps(client))[0]["queued"])
+                    if queued[-1] == 0:
+                        break
+                    await trio.sleep(0.02)
+                assert queued[-1] == 0
+                assert done == []  # the blocker is still running: the queue emptied because the client left
+
+
+async def test_bad_input_is_refused_before_admission(nursery, lane_home):
+    gateway = await gateway_with(nursery, lane_home)
+    with trio.fail_after(30):
+        async with gateway.client() as client:
+            for body, needle in ((chat_body(n=9), "`n` must be an integer from 1 to 8"),
+                                 (chat_body(n=3), "serves at most 2 choices"),
+                                 ({"messages": [{"role": "user", "content": "x"}]}, "`model` is required"),
+                                 (chat_body(messages=[]), "`messages` must be a non-empty array")):
+                response = await client.post("/v1/chat/completions", json=body)
+                assert response.status_code == 400, body
+                assert needle in response.json()["error"]["message"]
+            unknown = await client.post("/v1/chat/completions", json=chat_body("llama3:70b"))
+            assert unknown.status_code == 404 and "blazar pull" in unknown.json()["error"]["message"]
+            broken = await client.post("/v1/chat/completions", content=b"{not json")
+            assert broken.status_code == 400 and "not valid JSON" in broken.json()["error"]["message"]
+            assert await ps(client) == []  # nothing was spawned for any of them
+
+
+async def test_num_ctx_header_restarts_the_model_once(nursery, lane_home):
+    gateway = await gateway_with(nursery, lane_home)
+    with trio.fail_after(90):
+        async with gateway.client() as client:
+            await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))
+            (before,) = await ps(client)
+            assert before["context"] == 4096
+            headers = {"X-Blazar-Num-Ctx": "2048"}
+            assert (await client.post("/v1/chat/completions", headers=headers, json=chat_body(max_tokens=1))
+                    ).status_code == 200
+            rows = [r for r in await ps(client) if r["state"] != "stopped"]
+            live = [r for r in rows if r["state"] in ("ready", "busy")]
+            assert [(r["context"], r["context_source"]) for r in live] == [(2048, "request header X-Blazar-Num-Ctx")]
+            again = await client.post("/v1/chat/completions", headers=headers, json=chat_body(max_tokens=1))
+            assert again.status_code == 200
+            assert [r["pid"] for r in await ps(client) if r["state"] in ("ready", "busy")] == [live[0]["pid"]]
+            assert not pid_alive(before["pid"])
+            bad = await client.post("/v1/chat/completions", headers={"X-Blazar-Num-Ctx": "lots"}, json=chat_body())
+            assert bad.status_code == 400 and "X-Blazar-Num-Ctx" in bad.json()["error"]["message"]
