@@ -32,7 +32,7 @@ from hypercorn.utils import wrap_app
 from blazar import __version__
 from blazar.app import Services, create_app
 from blazar.config import Config, ConfigFile, parse_bind
-from blazar.engines import Roster
+from blazar.engines import Roster, sweep_orphans
 from blazar.middleware import build_stack
 from blazar.paths import Paths
 from supervisors.actor import supervise
@@ -88,6 +88,9 @@ async def run_gateway(
     task_status: trio.TaskStatus[Services] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The root supervisor. Started value: the Services the routes see (tests use it)."""
+    orphans = await trio.to_thread.run_sync(sweep_orphans, paths)
+    if orphans:
+        log.warning("stopped %d engine child(ren) left by a previous daemon: pids %s", len(orphans), orphans)
     async with trio.open_nursery() as root:
         ledger = LedgerClient(await root.start(partial(supervise, lambda: LedgerActor(paths.ledger))))
         config_file = ConfigFile(paths.config)

@@ -197,6 +197,7 @@ class Instance:
         self.stop_replies: list[Any] = []
         self.failure = ""
         self.gone = trio.Event()
+        self.output_closed = trio.Event()
         self.crashed = False
         self.serial = next(_serials)
         self._seq = itertools.count()
@@ -313,7 +314,8 @@ class Instance:
             case _Exited(returncode=code):
                 if self.state not in (State.STOPPING, State.STOPPED, State.FAILED):
                     tail = self.output_tail()
-                    self.failure = f"{self.key}'s engine exited with code {code}" + (f":\n{tail}" if tail else "")
+                    when = " while loading" if self.state is State.STARTING else ""
+                    self.failure = f"{self.key}'s engine exited with code {code}{when}" + (f":\n{tail}" if tail else "")
                     log.warning("%s", self.failure)
                     self.crashed = True
                     self.state = State.FAILED
@@ -444,10 +446,13 @@ class Instance:
             self.output_bytes += len(chunk)
             while self.output_bytes > OUTPUT_RING_BYTES and len(self.output) > 1:
                 self.output_bytes -= len(self.output.popleft())
+        self.output_closed.set()
 
     async def _watch_exit(self) -> None:
         assert self.process is not None
         code = await self.process.wait()
+        with trio.move_on_after(0.5):
+            await self.output_closed.wait()  # the engine's last words explain the exit
         with trio.CancelScope(shield=True), contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await self.mailbox.send(_Exited(returncode=code))
 

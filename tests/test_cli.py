@@ -44,6 +44,7 @@ COVERED_ELSEWHERE = {
     ("pull",): "tests/test_models.py::test_pull_picks_the_preferred_quant_and_records_the_hash",
     ("search",): "tests/test_models.py::test_search_filters_by_quant",
     ("engine", "update"): "tests/test_cli.py::test_store_and_roster_commands_print_pure_jsonl",
+    ("ps",): "tests/test_cli.py::test_run_ps_and_stop_against_a_live_daemon",
 }
 SCENARIO = {("import",), ("cp",), ("list",), ("show",), ("create",), ("mmproj",), ("fit",), ("rm",),
             ("engine", "local"), ("engine", "list"), ("engine", "use"), ("engine", "rollback"),
@@ -205,3 +206,31 @@ def test_doctor_fails_on_a_broken_config(home: Paths):
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert any(r["group"] == "CHANNELS" and r["status"] == "fail" and "config.toml:1:" in r["detail"]
                for r in rows)
+
+
+async def test_run_ps_and_stop_against_a_live_daemon(home: Paths, tmp_path, shared_home, shared_engine):
+    import trio
+
+    from tests.conftest import ServeProcess, arun_cli
+    from tests.lane_fixtures import add_shared_model, register_engine
+
+    register_engine(home, shared_engine.binary, shared_engine.tag)
+    add_shared_model(home, shared_home)
+    server = ServeProcess(home, tmp_path / "serve.log", "--bind", "127.0.0.1:0")
+    try:
+        with trio.fail_after(120):
+            await server.start()
+            answer = await arun_cli("run", "-v", "--max-tokens", "8", "Say hi to the reader.")
+            assert answer.returncode == 0, answer.stderr
+            assert answer.stdout.strip() and "eval count:" in answer.stderr
+            rows = [json.loads(line) for line in (await arun_cli("ps", "--json")).stdout.splitlines()]
+            assert [(r["model"], r["state"]) for r in rows] == [("smollm2:135m", "ready")]
+            stopped = await arun_cli("stop", "smollm2", "--json")
+            assert json.loads(stopped.stdout) == {"status": "evicted", "model": "smollm2:135m"}
+            assert (await arun_cli("ps", "--json")).stdout == ""
+            refused = await arun_cli("run", "--max-tokens", "5", "smollm2")
+            assert refused.returncode == 1 and "one-shot prompts only" in refused.stderr
+            assert json.loads((await arun_cli("stop", "--json")).stdout)["stopped"] is True
+            assert await server.wait() == 0
+    finally:
+        server.kill()

@@ -113,3 +113,50 @@ async def test_a_malformed_config_refuses_to_start_with_file_line_column(home: P
     message = result.stderr.decode()
     assert f"{home.config}:2:" in message and "fix:" in message
     assert "Traceback" not in message
+
+
+async def test_no_engine_child_survives_serve(home: Paths, tmp_path, shared_home, shared_engine):
+    from tests.lane_fixtures import add_shared_model, pid_alive, register_engine
+
+    register_engine(home, shared_engine.binary, shared_engine.tag)
+    add_shared_model(home, shared_home)
+    server = ServeProcess(home, tmp_path / "serve.log", "--bind", "127.0.0.1:0")
+    try:
+        with trio.fail_after(60):
+            info = await server.start()
+            async with httpx.AsyncClient(base_url=info["url"], timeout=30) as client:
+                response = await client.post("/v1/chat/completions", json={
+                    "model": "smollm2:135m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+                assert response.status_code == 200
+                (row,) = (await client.get("/api/ps")).json()["models"]
+            assert pid_alive(row["pid"])
+            server.signal(signal.SIGTERM)
+            assert await server.wait() == 0
+    finally:
+        server.kill()
+    assert not pid_alive(row["pid"])
+    assert not list((home.run / "children").glob("*.json"))
+
+
+async def test_boot_sweeps_children_a_dead_daemon_left(home: Paths, tmp_path):
+    import json
+
+    from tests.lane_fixtures import pid_alive
+
+    orphan = await trio.lowlevel.open_process(["/bin/sleep", "300"], start_new_session=True)
+    children = home.run / "children"
+    children.mkdir(parents=True, exist_ok=True)
+    (children / f"{orphan.pid}.json").write_text(json.dumps(
+        {"pid": orphan.pid, "model": "x", "engine_tag": "t", "argv0": "/bin/sleep"}))
+    server = ServeProcess(home, tmp_path / "serve.log", "--bind", "127.0.0.1:0")
+    try:
+        with trio.fail_after(30):
+            await server.start()
+            await orphan.wait()
+            server.signal(signal.SIGTERM)
+            await server.wait()
+    finally:
+        server.kill()
+        orphan.kill()
+    assert not pid_alive(orphan.pid)
+    assert "left by a previous daemon" in (tmp_path / "serve.log").read_text()

@@ -54,7 +54,8 @@ async def test_streamed_chat_arrives_as_it_is_generated(nursery, lane_home):
             await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))  # warm
             arrivals, pieces = [], []
             async with client.stream("POST", "/v1/chat/completions",
-                                     json=chat_body(text="Count from one to twenty.", stream=True, max_tokens=60)
+                                     json=chat_body(text="Count from one to twenty.", stream=True, max_tokens=40,
+                                                    temperature=0, ignore_eos=True)
                                      ) as response:
                 assert response.status_code == 200
                 assert response.headers["content-type"].startswith("text/event-stream")
@@ -92,7 +93,7 @@ async def test_idle_model_is_evicted_and_its_child_reaped(nursery, lane_home):
         async with gateway.client() as client:
             await client.post("/v1/chat/completions", json=chat_body(max_tokens=2))
             (row,) = await ps(client)
-            while await ps(client):
+            while await ps(client):  # noqa: ASYNC110 - polling the HTTP API as a user would
                 await trio.sleep(0.1)
         assert not pid_alive(row["pid"])
         assert not list((lane_home.run / "children").glob("*.json"))

@@ -1,0 +1,130 @@
+"""Fault injection with the labelled FakeLlamaServer test double: never healthy, crash on start,
+crash mid-stream, SIGTERM ignored, the restart budget and `ps --reset`, and think stripping."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import trio
+
+from blazar.paths import Paths
+from blazar.store import Store
+from tests.conftest import start_gateway
+from tests.fakehub import make_gguf
+from tests.lane_fixtures import FAKE_ENGINE, chat_body, pid_alive, ps, register_engine
+
+
+@pytest.fixture
+def fake_home(home: Paths, tmp_path, monkeypatch) -> Paths:
+    register_engine(home, FAKE_ENGINE, "fake-9999")
+    Store(home).import_file(make_gguf(tmp_path / "fake.gguf", payload_mib=0.01), name="fake:1")
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "ok")
+    return home
+
+
+def body(**extra):
+    return chat_body("fake:1", **extra)
+
+
+async def test_an_engine_that_never_gets_healthy_gives_502_with_its_output(nursery, fake_home, monkeypatch):
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "never_healthy")
+    gateway = await start_gateway(nursery, fake_home, spawn_timeout_secs=1.5)
+    with trio.fail_after(30):
+        async with gateway.client() as client:
+            response = await client.post("/v1/chat/completions", json=body())
+            assert response.status_code == 502
+            message = response.json()["error"]["message"]
+            assert "did not become healthy within 1.5s" in message
+            assert "fake llama-server: mode=never_healthy" in message
+            while await ps(client):  # noqa: ASYNC110 - the failed child is being reaped
+                await trio.sleep(0.05)
+    assert not list((fake_home.run / "children").glob("*.json"))
+
+
+async def test_a_crash_while_loading_surfaces_the_engines_own_words(nursery, fake_home, monkeypatch):
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "crash_on_start")
+    gateway = await start_gateway(nursery, fake_home)
+    with trio.fail_after(30):
+        async with gateway.client() as client:
+            response = await client.post("/v1/chat/completions", json=body())
+    assert response.status_code == 502
+    assert "exited with code 1 while loading" in response.json()["error"]["message"]
+    assert "fake corruption at tensor 7" in response.json()["error"]["message"]
+
+
+async def test_a_crash_mid_stream_ends_with_an_error_frame_and_the_next_request_respawns(
+        nursery, fake_home, monkeypatch):
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "crash_mid_stream")
+    gateway = await start_gateway(nursery, fake_home)
+    with trio.fail_after(30):
+        async with gateway.client() as client:
+            frames = []
+            async with client.stream("POST", "/v1/chat/completions", json=body(stream=True)) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        frames.append(line[6:])
+            assert frames[-1] == "[DONE]"
+            error = json.loads(frames[-2])["error"]
+            assert error["code"] == 502 and "exited with code 3" in error["message"]
+            assert len(frames) == 5  # three tokens, the error frame, [DONE]
+            crashed_pid = None
+            for event in await gateway.services.ledger.recent_events(kind="crash"):
+                crashed_pid = event
+            assert crashed_pid is not None
+            monkeypatch.setenv("FAKE_ENGINE_MODE", "ok")
+            again = await client.post("/v1/chat/completions", json=body())
+            assert again.status_code == 200
+            assert again.json()["choices"][0]["message"]["content"] == "Hello from the fake engine."
+
+
+async def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(nursery, fake_home, monkeypatch):
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "ignore_sigterm")
+    gateway = await start_gateway(nursery, fake_home, keep_alive="0.3s")
+    with trio.fail_after(30):
+        async with gateway.client() as client:
+            assert (await client.post("/v1/chat/completions", json=body())).status_code == 200
+            (row,) = await ps(client)
+            started = trio.current_time()
+            while pid_alive(row["pid"]):  # noqa: ASYNC110 - another process
+                await trio.sleep(0.1)
+            waited = trio.current_time() - started
+    assert 4.5 < waited < 9  # the 5 s grace, then SIGKILL
+
+
+async def test_restart_budget_opens_a_breaker_until_ps_reset(nursery, fake_home, monkeypatch):
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "crash_on_start")
+    gateway = await start_gateway(nursery, fake_home)
+    with trio.fail_after(60):
+        async with gateway.client() as client:
+            for _ in range(3):
+                assert (await client.post("/v1/chat/completions", json=body())).status_code == 502
+            refused = await client.post("/v1/chat/completions", json=body())
+            assert refused.status_code == 502
+            message = refused.json()["error"]["message"]
+            assert "failed 3 times" in message and "blazar ps --reset" in message
+            assert [r["state"] for r in await ps(client)] == ["broken"]
+            monkeypatch.setenv("FAKE_ENGINE_MODE", "ok")
+            assert (await client.post("/api/ps/reset")).json() == {"cleared": ["fake:1"]}
+            assert (await client.post("/v1/chat/completions", json=body())).status_code == 200
+
+
+async def test_think_blocks_are_stripped_unless_thinking_was_asked_for(nursery, fake_home, monkeypatch):
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "think")
+    gateway = await start_gateway(nursery, fake_home)
+    with trio.fail_after(30):
+        async with gateway.client() as client:
+            plain = (await client.post("/v1/chat/completions", json=body())).json()
+            assert plain["choices"][0]["message"]["content"] == "Hello from the fake engine."
+            pieces = []
+            async with client.stream("POST", "/v1/chat/completions", json=body(stream=True)) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        pieces.append(json.loads(line[6:])["choices"][0]["delta"].get("content") or "")
+            assert "".join(pieces) == "Hello from the fake engine."
+            asked = (await client.post("/v1/chat/completions", json=body(reasoning_effort="high"))).json()
+            assert asked["choices"][0]["message"]["content"].startswith("<think>let me think</think>")
+            kwargs = body(chat_template_kwargs={"enable_thinking": True})
+            assert "<think>" in (await client.post("/v1/chat/completions", json=kwargs)).json()[
+                "choices"][0]["message"]["content"]
