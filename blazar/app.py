@@ -35,6 +35,7 @@ class Services:
     started_at: float = field(default_factory=time.time)
     engine_identity: Callable[[], dict[str, Any] | None] = lambda: None
     lane: Any = None  # supervisors.text_lane.LaneClient
+    requests: Any = None  # supervisors.requests.RequestsClient
 
 
 class BlazarApp(QuartTrio):
@@ -83,6 +84,9 @@ def create_app(services: Services) -> BlazarApp:
     from dialects.openai.routes import blueprint as openai
 
     app.register_blueprint(openai)
+    from dialects.openai.requests_routes import blueprint as request_cards
+
+    app.register_blueprint(request_cards)
     app.register_blueprint(native_engine)
     if test_hooks_enabled():
         from dialects.native.test_hooks import blueprint as hooks

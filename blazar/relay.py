@@ -111,17 +111,94 @@ def json_reply(reply: UpstreamReply, transform: Callable[[Any], Any] | None = No
                     headers=headers)
 
 
+async def _cancel_when(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
+async def tracked(services: Any, control: Any, work: Callable[[], Any]) -> Any:
+    """Run `work()` so that a cancel or interrupt from another connection stops it."""
+    refusal: Refusal | None = None
+    result: Any = None
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_when, control.stop, scope)
+            try:
+                result = await work()
+            except Refusal as error:  # keep it out of the nursery's exception group
+                refusal = error
+            nursery.cancel_scope.cancel()
+    if refusal is not None:
+        raise refusal
+    if not scope.cancelled_caught:
+        return result
+    raise Refusal(499, f"request {control.id} was cancelled from another connection (POST /v1/requests/{control.id}/"
+                  f"{control.kind or 'cancel'})", code="request_cancelled")
+
+
+async def singleflight(services: Any, key: str, work: Callable[[], Any]) -> Any:
+    """Identical concurrent requests share one upstream call: the first asks, the rest wait for its answer."""
+    waiting = await services.requests.join(key)
+    if waiting is not None:
+        with waiting:
+            outcome = await waiting.receive()
+        if isinstance(outcome, Refusal):
+            raise outcome
+        if outcome is not None:
+            return outcome
+        return await work()  # the leader left before it had an answer
+    outcome: Any = None
+    try:
+        outcome = await work()
+        return outcome
+    except Refusal as refusal:
+        outcome = refusal
+        raise
+    finally:
+        await services.requests.publish(key, outcome)
+
+
 def sse_response(stream: UpstreamStream, rewrite: Callable[[bytes], bytes], error_frame: Callable[[str], bytes],
-                 headers: dict[str, str] | None = None) -> Response:
+                 headers: dict[str, str] | None = None, *, control: Any = None,
+                 interrupt_frame: Callable[[], bytes] | None = None, cancel_frame: Callable[[str], bytes] | None = None,
+                 finish: Callable[[str], Any] | None = None) -> Response:
+    """Relay a stream as it arrives. A cancel/interrupt (checked at least every 250 ms) ends it with the
+    dialect's frame; closing the channel closes the upstream request, so the engine stops."""
+
     async def body() -> AsyncIterator[bytes]:
-        with stream.chunks:
-            async for item in stream.chunks:
-                if isinstance(item, StreamFailure):
-                    yield error_frame(item.message)
-                    return
-                out = rewrite(item)
-                if out:
-                    yield out
+        state = "disconnected"
+        try:
+            with stream.chunks:
+                while True:
+                    item: Any = None
+                    with trio.move_on_after(0.25):
+                        try:
+                            item = await stream.chunks.receive()
+                        except trio.EndOfChannel:
+                            state = "done"
+                            return
+                    if control is not None and control.stop.is_set():
+                        if control.kind == "interrupt" and interrupt_frame is not None:
+                            state = "interrupted"
+                            yield interrupt_frame()
+                        else:
+                            state = "cancelled"
+                            yield (cancel_frame or error_frame)(
+                                f"request {control.id} was cancelled from another connection")
+                        return
+                    if item is None:
+                        continue
+                    if isinstance(item, StreamFailure):
+                        state = "failed"
+                        yield error_frame(item.message)
+                        return
+                    out = rewrite(item)
+                    if out:
+                        yield out
+        finally:
+            if finish is not None:
+                with trio.CancelScope(shield=True):
+                    await finish(state)
 
     response = Response(body(), content_type="text/event-stream",
                         headers={"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})})

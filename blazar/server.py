@@ -38,6 +38,7 @@ from blazar.paths import Paths
 from supervisors.actor import supervise
 from supervisors.ledger import LedgerActor, LedgerClient
 from supervisors.registry import RegistryActor, RegistryClient
+from supervisors.requests import RequestRegistry, RequestsClient
 from supervisors.text_lane import LaneClient, TextLane
 
 log = logging.getLogger("blazar.serve")
@@ -98,8 +99,9 @@ async def run_gateway(
             await root.start(partial(supervise, lambda: RegistryActor(config_file, config))))
         lane = LaneClient(await root.start(partial(
             supervise, lambda: TextLane(paths, config, ledger=ledger), mailbox_size=1024)))
+        requests = RequestsClient(await root.start(partial(supervise, RequestRegistry, mailbox_size=4096)))
         services = Services(paths=paths, config=config, ledger=ledger, registry=registry,
-                            engine_identity=Roster(paths).identity, lane=lane)
+                            engine_identity=Roster(paths).identity, lane=lane, requests=requests)
         app = create_app(services)
         asgi = build_stack(app, cors_origins=config.cors_origins,
                            body_limit_bytes=config.body_limit_mib * 1024 * 1024,

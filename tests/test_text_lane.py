@@ -151,7 +151,7 @@ async def test_high_priority_overtakes_low_in_a_saturated_queue(nursery, lane_ho
 
             async def tagged(name, priority):
                 response = await client.post("/v1/chat/completions", headers={"X-Blazar-Priority": priority},
-                                             json=chat_body(max_tokens=4))
+                                             json=chat_body(text=f"Say {name}.", max_tokens=4))
                 done.append((name, response.status_code))
 
             async with trio.open_nursery() as requests:

@@ -8,7 +8,7 @@ import msgspec
 import trio
 from quart import Blueprint, Response, current_app, request
 
-from blazar.relay import Refusal, forward, json_reply, sse_response
+from blazar.relay import Refusal, forward, json_reply, singleflight, sse_response, tracked
 from supervisors.instance import UpstreamCall, UpstreamReply
 
 from .translate import (
@@ -17,6 +17,7 @@ from .translate import (
     bridge_reasoning,
     check_chat,
     check_choices,
+    check_metadata,
     decode_object,
     require_model,
     strip_think_buffered,
@@ -45,13 +46,27 @@ def _refuse(error: RequestError | Refusal) -> Response:
     return error.response(request.path)
 
 
+def interrupt_frame(card_id: str) -> bytes:
+    chunk = {"id": card_id, "object": "chat.completion.chunk",
+             "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "blazar_interrupted": True}
+    return b"data: " + msgspec.json.encode(chunk) + b"\n\ndata: [DONE]\n\n"
+
+
+def cancel_frame(message: str) -> bytes:
+    payload = {"error": {"message": message, "type": "request_cancelled", "code": 499}}
+    return b"data: " + msgspec.json.encode(payload) + b"\n\ndata: [DONE]\n\n"
+
+
 @blueprint.post("/v1/chat/completions")
 async def chat_completions():
+    services = current_app.services
     try:
         body = await _body()
         model = require_model(body)
         check_chat(body)
         check_choices(body)
+        metadata = check_metadata(body)
+        body.pop("metadata", None)
         strip = not thinking_requested(body)
         body = bridge_reasoning(body)
         headers = {}
@@ -59,14 +74,92 @@ async def chat_completions():
         if receipt:
             headers["x-blazar-structured-output"] = receipt
         stream = body.get("stream") is True
-        result = await forward(current_app.services, model, UpstreamCall(
-            path="/v1/chat/completions", body=msgspec.json.encode(body), stream=stream), request.headers)
-        if isinstance(result, UpstreamReply):
-            return json_reply(result, strip_think_buffered if strip else None, headers)
-        rewriter = ChatStreamRewriter(strip_think=strip)
-        return sse_response(result, rewriter.feed, openai_error_frame, headers)
+        encoded = msgspec.json.encode(body)
     except (RequestError, Refusal) as error:
         return _refuse(error)
+    control = await services.requests.open(trace_id=request.scope.get("blazar.trace_id", ""), model=model,
+                                           route=request.path, stream=stream)
+    started = trio.current_time()
+    upstream = UpstreamCall(path="/v1/chat/completions", body=encoded, stream=stream)
+    if not stream:
+        state = "failed"
+        try:
+            async def ask() -> UpstreamReply:
+                return await forward(services, model, upstream, request.headers)
+
+            flight_key = f"{model}\0{request.headers.get('x-blazar-num-ctx', '')}\0{encoded.decode()}"
+            result = await tracked(services, control, lambda: singleflight(services, flight_key, ask))
+            response = json_reply(result, strip_think_buffered if strip else None, headers)
+            payload = msgspec.json.decode(await response.get_data())
+            state = "done"
+            usage = payload.get("usage") or {}
+            services.requests.update(control.id, partial=_message_text(payload), tokens=usage.get("completion_tokens"),
+                                     queue_ms=round(result.queued_secs * 1000, 1))
+            if metadata is not None and payload.get("id"):
+                services.requests.save_completion({"id": payload["id"], "object": "chat.completion",
+                                                   "created": payload.get("created"), "model": payload.get("model"),
+                                                   "metadata": metadata})
+            return response
+        except (RequestError, Refusal) as error:
+            state = "cancelled" if isinstance(error, Refusal) and error.status == 499 else "failed"
+            return _refuse(error)
+        except BaseException:
+            state = "disconnected"
+            raise
+        finally:
+            elapsed_ms = round((trio.current_time() - started) * 1000, 1)
+            await services.requests.close(control.id, state, compute_ms=elapsed_ms)
+    try:
+        result = await tracked(services, control, lambda: forward(services, model, upstream, request.headers))
+    except (RequestError, Refusal) as error:
+        await services.requests.close(control.id, "failed")
+        return _refuse(error)
+    if isinstance(result, UpstreamReply):
+        await services.requests.close(control.id, "failed" if result.status >= 400 else "done")
+        try:
+            return json_reply(result, strip_think_buffered if strip else None, headers)
+        except Refusal as error:
+            return _refuse(error)
+    rewriter = ChatStreamRewriter(strip_think=strip)
+    services.requests.update(control.id, state="running", queue_ms=round(result.queued_secs * 1000, 1))
+    reported = 0
+
+    def rewrite(chunk: bytes) -> bytes:
+        nonlocal reported
+        out = rewriter.feed(chunk)
+        if len(rewriter.text) - reported >= 8:
+            services.requests.update(control.id, partial="".join(rewriter.text[reported:]))
+            reported = len(rewriter.text)
+        return out
+
+    async def finish(state: str) -> None:
+        services.requests.update(control.id, partial="".join(rewriter.text[reported:]))
+        await services.requests.close(control.id, state, tokens=len(rewriter.text),
+                                      compute_ms=round((trio.current_time() - started) * 1000, 1))
+
+    return sse_response(result, rewrite, openai_error_frame, headers, control=control,
+                        interrupt_frame=lambda: interrupt_frame(control.id), cancel_frame=cancel_frame, finish=finish)
+
+
+def _message_text(payload: dict[str, Any]) -> str:
+    choices = payload.get("choices") or [{}]
+    return str((choices[0].get("message") or {}).get("content") or "")
+
+
+@blueprint.post("/v1/chat/completions/<completion_id>")
+async def update_completion(completion_id: str):
+    try:
+        body = await _body()
+        metadata = check_metadata(body, required=True)
+    except (RequestError, Refusal) as error:
+        return _refuse(error)
+    from supervisors.actor import ActorError
+
+    try:
+        card = await current_app.services.requests.update_completion(completion_id, metadata)
+    except ActorError as error:
+        return Refusal.from_err(error.err).response(request.path)
+    return Response(msgspec.json.encode(card), content_type="application/json")
 
 
 async def _passthrough(path: str, *, needs_model: bool = True, stream_ok: bool = True):

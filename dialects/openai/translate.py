@@ -68,6 +68,26 @@ def check_chat(body: dict[str, Any]) -> None:
         raise RequestError(f"`stream` must be true or false, got {stream!r}", param="stream")
 
 
+def check_metadata(body: dict[str, Any], *, required: bool = False) -> dict[str, str] | None:
+    """OpenAI's metadata: at most 16 string keys (≤ 64 chars) with string values (≤ 512 chars)."""
+    metadata = body.get("metadata")
+    if metadata is None:
+        if required:
+            raise RequestError("`metadata` is required: an object of up to 16 string keys and string values",
+                               param="metadata")
+        return None
+    if not isinstance(metadata, dict):
+        raise RequestError("`metadata` must be an object of string keys and string values", param="metadata")
+    if len(metadata) > 16:
+        raise RequestError(f"`metadata` has {len(metadata)} keys; at most 16 are allowed", param="metadata")
+    for key, value in metadata.items():
+        if len(key) > 64:
+            raise RequestError(f"`metadata` key {key[:20]!r}… is longer than 64 characters", param="metadata")
+        if not isinstance(value, str) or len(value) > 512:
+            raise RequestError(f"`metadata.{key}` must be a string of at most 512 characters", param="metadata")
+    return metadata
+
+
 def thinking_requested(body: dict[str, Any]) -> bool:
     """The explicit opt-ins: think, enable_thinking (top level or chat_template_kwargs), reasoning_effort."""
     if body.get("think") is True or body.get("enable_thinking") is True:

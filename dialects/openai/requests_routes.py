@@ -1,0 +1,52 @@
+"""Request cards: list, read, cancel and interrupt live generations from another connection."""
+
+from __future__ import annotations
+
+import msgspec
+from quart import Blueprint, Response, current_app, request
+
+from blazar.relay import Refusal
+from supervisors.actor import ActorError
+
+blueprint = Blueprint("requests", __name__)
+
+
+def _json(payload) -> Response:
+    return Response(msgspec.json.encode(payload), content_type="application/json")
+
+
+@blueprint.get("/v1/requests")
+async def list_requests():
+    state = request.args.get("state")
+    if state is not None and state not in ("queued", "running", "done", "cancelled", "interrupted", "disconnected",
+                                           "failed"):
+        return Refusal(400, f"?state= must be one of queued, running, done, cancelled, interrupted, disconnected, "
+                       f"failed; got {state!r}").response(request.path)
+    rows = await current_app.services.requests.list(request.args.get("model"), state)
+    return _json({"object": "list", "data": rows})
+
+
+@blueprint.get("/v1/requests/<card_id>")
+async def get_request(card_id: str):
+    try:
+        return _json(await current_app.services.requests.get(card_id))
+    except ActorError as error:
+        return Refusal.from_err(error.err).response(request.path)
+
+
+@blueprint.post("/v1/requests/<card_id>/cancel")
+async def cancel_request(card_id: str):
+    return await _signal(card_id, "cancel")
+
+
+@blueprint.post("/v1/requests/<card_id>/interrupt")
+async def interrupt_request(card_id: str):
+    return await _signal(card_id, "interrupt")
+
+
+async def _signal(card_id: str, kind: str) -> Response:
+    try:
+        card = await current_app.services.requests.signal(card_id, kind)
+    except ActorError as error:
+        return Refusal.from_err(error.err).response(request.path)
+    return _json({**card, "signal": kind})

@@ -1,0 +1,217 @@
+"""The request registry: live request cards, cancel/interrupt from another connection, completion
+metadata cards, and singleflight for identical concurrent non-stream requests.
+
+Card lifecycle (only this actor's loop changes a card):
+    queued -> running -> done | cancelled | interrupted | disconnected | failed
+Terminal cards move to a bounded per-boot ring. A route holds only its request's `Control`
+(events it waits on); it reports progress with fire-and-forget `Update` messages.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from .actor import Envelope, Err, MessageLoop, Ok, Reply, call, tell
+
+TERMINAL_RING = 512
+PARTIAL_LIMIT = 64 * 1024
+COMPLETION_CARDS = 4096
+TERMINAL_STATES = ("done", "cancelled", "interrupted", "disconnected", "failed")
+
+
+@dataclass
+class Control:
+    """What a running request listens to: set by the registry when someone cancels or interrupts it."""
+
+    id: str
+    stop: trio.Event = field(default_factory=trio.Event)
+    kind: str = ""  # "cancel" | "interrupt"
+
+
+class Open(Envelope, frozen=True, tag="open"):
+    trace_id: str = ""
+    model: str = ""
+    route: str = ""
+    stream: bool = False
+
+
+class Update(Envelope, frozen=True, tag="update"):
+    id: str = ""
+    fields: dict = {}
+    partial: str = ""  # appended
+
+
+class Close(Envelope, frozen=True, tag="close"):
+    id: str = ""
+    state: str = "done"
+    fields: dict = {}
+
+
+class Get(Envelope, frozen=True, tag="get"):
+    id: str = ""
+
+
+class List(Envelope, frozen=True, tag="list"):
+    model: str | None = None
+    state: str | None = None
+
+
+class Signal(Envelope, frozen=True, tag="signal"):
+    id: str = ""
+    kind: str = "cancel"
+
+
+class SaveCompletion(Envelope, frozen=True, tag="save_completion"):
+    card: dict = {}
+
+
+class UpdateCompletion(Envelope, frozen=True, tag="update_completion"):
+    id: str = ""
+    metadata: dict = {}
+
+
+class Join(Envelope, frozen=True, tag="join"):
+    key: str = ""
+
+
+class Publish(Envelope, frozen=True, tag="publish"):
+    key: str = ""
+    result: Any = None
+
+
+class RequestRegistry(MessageLoop):
+    name = "requests"
+
+    def __init__(self) -> None:
+        self.live: dict[str, dict[str, Any]] = {}
+        self.controls: dict[str, Control] = {}
+        self.finished: deque[dict[str, Any]] = deque(maxlen=TERMINAL_RING)
+        self.completions: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.flights: dict[str, list[trio.MemorySendChannel]] = {}
+
+    async def handle(self, message: Envelope) -> Reply | None:
+        match message:
+            case Open():
+                card_id = f"req_{secrets.token_hex(8)}"
+                self.live[card_id] = {"id": card_id, "object": "request", "trace_id": message.trace_id,
+                                      "model": message.model, "route": message.route, "stream": message.stream,
+                                      "state": "queued", "created": time.time(), "engine": None, "tokens": None,
+                                      "queue_ms": None, "compute_ms": None, "partial": ""}
+                control = Control(card_id)
+                self.controls[card_id] = control
+                return Ok(control)
+            case Update(id=card_id, fields=fields, partial=partial):
+                card = self.live.get(card_id)
+                if card is not None:
+                    card.update(fields)
+                    if partial and len(card["partial"]) < PARTIAL_LIMIT:
+                        card["partial"] = (card["partial"] + partial)[:PARTIAL_LIMIT]
+                return None
+            case Close(id=card_id, state=state, fields=fields):
+                card = self.live.pop(card_id, None)
+                self.controls.pop(card_id, None)
+                if card is not None:
+                    card.update(fields)
+                    card["state"] = state
+                    card["finished"] = time.time()
+                    self.finished.append(card)
+                return None
+            case Get(id=card_id):
+                card = self.live.get(card_id) or next((c for c in self.finished if c["id"] == card_id), None)
+                if card is None:
+                    return Err("request_not_found", f"no request {card_id} in this boot's cards",
+                               hint="GET /v1/requests lists live requests and the recent finished ones", status=404)
+                return Ok(dict(card))
+            case List(model=model, state=state):
+                rows = [*self.live.values(), *reversed(self.finished)]
+                rows = [dict(c) for c in rows if model in (None, c["model"]) and state in (None, c["state"])]
+                return Ok(rows)
+            case Signal(id=card_id, kind=kind):
+                control = self.controls.get(card_id)
+                if control is None:
+                    known = any(c["id"] == card_id for c in self.finished)
+                    return Err("request_finished" if known else "request_not_found",
+                               f"request {card_id} has already finished" if known else f"no live request {card_id}",
+                               hint="GET /v1/requests lists the live ones", status=409 if known else 404)
+                if kind == "interrupt" and not self.live[card_id]["stream"]:
+                    return Err("interrupt_needs_stream",
+                               f"request {card_id} is not streamed, so there is no partial answer to keep",
+                               hint=f"POST /v1/requests/{card_id}/cancel stops it instead", status=409)
+                control.kind = kind
+                control.stop.set()
+                return Ok(dict(self.live[card_id]))
+            case SaveCompletion(card=card):
+                self.completions[card["id"]] = card
+                while len(self.completions) > COMPLETION_CARDS:
+                    self.completions.popitem(last=False)
+                return None
+            case UpdateCompletion(id=card_id, metadata=metadata):
+                card = self.completions.get(card_id)
+                if card is None:
+                    return Err("completion_not_found",
+                               f"no stored completion {card_id}: only non-stream completions created with a "
+                               f"`metadata` object are kept, and only the last {COMPLETION_CARDS}",
+                               hint="create the completion with \"metadata\": {...} and stream false", status=404)
+                card["metadata"] = metadata
+                self.completions.move_to_end(card_id)
+                return Ok(dict(card))
+            case Join(key=key):
+                followers = self.flights.get(key)
+                if followers is None:
+                    self.flights[key] = []
+                    return Ok(None)  # leader: go and ask the engine
+                send, receive = trio.open_memory_channel[Any](1)
+                followers.append(send)
+                return Ok(receive)  # follower: wait here for the leader's result
+            case Publish(key=key, result=result):
+                for follower in self.flights.pop(key, []):
+                    try:
+                        follower.send_nowait(result)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+                        pass  # that follower's client left
+                return None
+        return Err("unknown_op", f"request registry does not understand {type(message).__name__}")
+
+
+class RequestsClient:
+    def __init__(self, mailbox: trio.MemorySendChannel) -> None:
+        self.mailbox = mailbox
+
+    async def open(self, *, trace_id: str, model: str, route: str, stream: bool) -> Control:
+        return await call(self.mailbox, lambda r: Open(reply=r, trace_id=trace_id, model=model, route=route,
+                                                         stream=stream))
+
+    def update(self, card_id: str, partial: str = "", **fields: Any) -> None:
+        tell(self.mailbox, Update(id=card_id, fields=fields, partial=partial))
+
+    async def close(self, card_id: str, state: str, **fields: Any) -> None:
+        with trio.CancelScope(shield=True), trio.move_on_after(1):
+            await self.mailbox.send(Close(id=card_id, state=state, fields=fields))
+
+    async def get(self, card_id: str) -> dict[str, Any]:
+        return await call(self.mailbox, lambda r: Get(reply=r, id=card_id))
+
+    async def list(self, model: str | None, state: str | None) -> list[dict[str, Any]]:
+        return await call(self.mailbox, lambda r: List(reply=r, model=model, state=state))
+
+    async def signal(self, card_id: str, kind: str) -> dict[str, Any]:
+        return await call(self.mailbox, lambda r: Signal(reply=r, id=card_id, kind=kind))
+
+    def save_completion(self, card: dict[str, Any]) -> None:
+        tell(self.mailbox, SaveCompletion(card=card))
+
+    async def update_completion(self, card_id: str, metadata: dict[str, str]) -> dict[str, Any]:
+        return await call(self.mailbox, lambda r: UpdateCompletion(reply=r, id=card_id, metadata=metadata))
+
+    async def join(self, key: str) -> trio.MemoryReceiveChannel | None:
+        return await call(self.mailbox, lambda r: Join(reply=r, key=key))
+
+    async def publish(self, key: str, result: Any) -> None:
+        with trio.CancelScope(shield=True), trio.move_on_after(1):
+            await self.mailbox.send(Publish(key=key, result=result))

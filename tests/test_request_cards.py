@@ -1,0 +1,145 @@
+"""Request cards on a real llama-server: listing, cancel and interrupt from another connection,
+singleflight, metadata cards, and the memory floor."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import trio
+
+from blazar.paths import Paths
+from tests.conftest import start_gateway
+from tests.lane_fixtures import add_shared_model, chat_body, ps, register_engine
+
+pytestmark = pytest.mark.engine
+
+LONG = {"text": "Write a very long story about the sea.", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture
+def lane_home(home: Paths, shared_home: Paths, shared_engine) -> Paths:
+    register_engine(home, shared_engine.binary, shared_engine.tag)
+    add_shared_model(home, shared_home)
+    return home
+
+
+async def _running_card(client) -> dict:
+    while True:
+        rows = (await client.get("/v1/requests", params={"state": "running"})).json()["data"]
+        if rows and rows[0]["partial"]:
+            return rows[0]
+        await trio.sleep(0.05)
+
+
+@pytest.mark.parametrize("kind", ["cancel", "interrupt"])
+async def test_a_stream_is_stopped_from_another_connection(nursery, lane_home, kind):
+    gateway = await start_gateway(nursery, lane_home)
+    frames: list[str] = []
+    with trio.fail_after(60):
+        async with gateway.client() as client, gateway.client() as operator:
+            await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))
+
+            async def stream():
+                async with client.stream("POST", "/v1/chat/completions", json=chat_body(stream=True, **LONG)) as resp:
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: "):
+                            frames.append(line[6:])
+
+            async with trio.open_nursery() as inner:
+                inner.start_soon(stream)
+                card = await _running_card(operator)
+                assert card["trace_id"].startswith("plm-") and card["model"] == "smollm2:135m"
+                signalled = await operator.post(f"/v1/requests/{card['id']}/{kind}")
+                assert signalled.status_code == 200 and signalled.json()["signal"] == kind
+            final = (await operator.get(f"/v1/requests/{card['id']}")).json()
+            # The engine notices the closed connection at its next token: give it a moment.
+            for _ in range(40):
+                slots = (await operator.get("/slots")).json()
+                if not any(slot.get("is_processing") for slot in slots):
+                    break
+                await trio.sleep(0.05)
+    assert frames[-1] == "[DONE]"
+    assert len(frames) < 300  # generation stopped long before max_tokens
+    last = json.loads(frames[-2])
+    if kind == "cancel":
+        assert last["error"]["code"] == 499 and final["state"] == "cancelled"
+    else:
+        assert last["blazar_interrupted"] is True and last["choices"][0]["finish_reason"] == "stop"
+        assert final["state"] == "interrupted" and final["partial"].strip()
+    assert not any(slot.get("is_processing") for slot in slots)  # the engine stopped generating
+
+
+async def test_a_buffered_request_can_be_cancelled_but_not_interrupted(nursery, lane_home):
+    gateway = await start_gateway(nursery, lane_home)
+    outcome = {}
+    with trio.fail_after(60):
+        async with gateway.client() as client, gateway.client() as operator:
+            await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))
+
+            async def buffered():
+                outcome["response"] = await client.post("/v1/chat/completions", json=chat_body(**LONG))
+
+            async with trio.open_nursery() as inner:
+                inner.start_soon(buffered)
+                while not (rows := (await operator.get("/v1/requests", params={"state": "queued"})).json()[  # noqa: ASYNC110
+                        "data"]):
+                    await trio.sleep(0.05)
+                card_id = rows[0]["id"]
+                refused = await operator.post(f"/v1/requests/{card_id}/interrupt")
+                assert refused.status_code == 409 and "cancel" in refused.json()["error"]["message"]
+                assert (await operator.post(f"/v1/requests/{card_id}/cancel")).status_code == 200
+            assert outcome["response"].status_code == 499
+            assert outcome["response"].json()["error"]["type"] == "request_cancelled"
+            assert (await operator.get(f"/v1/requests/{card_id}")).json()["state"] == "cancelled"
+            assert (await operator.post(f"/v1/requests/{card_id}/cancel")).status_code == 409
+            missing = await operator.get("/v1/requests/req_nope")
+            assert missing.status_code == 404 and "/v1/requests" in missing.json()["error"]["message"]
+
+
+async def test_identical_concurrent_requests_share_one_upstream_call(nursery, lane_home):
+    gateway = await start_gateway(nursery, lane_home)
+    answers = []
+    with trio.fail_after(60):
+        async with gateway.client() as client:
+            await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))
+            served_before = (await ps(client))[0]["served"]
+
+            async def ask():
+                answers.append((await client.post("/v1/chat/completions", json=chat_body(
+                    text="Name three colours.", max_tokens=40, temperature=0.9, seed=-1))).json())
+
+            async with trio.open_nursery() as inner:
+                inner.start_soon(ask)
+                inner.start_soon(ask)
+            assert (await ps(client))[0]["served"] == served_before + 1
+    assert answers[0] == answers[1]
+
+
+async def test_metadata_cards_can_be_updated_after_the_fact(nursery, lane_home):
+    gateway = await start_gateway(nursery, lane_home)
+    with trio.fail_after(60):
+        async with gateway.client() as client:
+            created = (await client.post("/v1/chat/completions", json=chat_body(
+                max_tokens=2, metadata={"ticket": "T-1"}))).json()
+            updated = await client.post(f"/v1/chat/completions/{created['id']}", json={"metadata": {"ticket": "T-2"}})
+            assert updated.status_code == 200
+            assert updated.json() == {"id": created["id"], "object": "chat.completion", "created": created["created"],
+                                      "model": "smollm2:135m", "metadata": {"ticket": "T-2"}}
+            plain = (await client.post("/v1/chat/completions", json=chat_body(max_tokens=2))).json()
+            missing = await client.post(f"/v1/chat/completions/{plain['id']}", json={"metadata": {}})
+            assert missing.status_code == 404 and "metadata" in missing.json()["error"]["message"]
+            too_many = await client.post("/v1/chat/completions", json=chat_body(
+                metadata={f"k{i}": "v" for i in range(17)}))
+            assert too_many.status_code == 400 and "at most 16" in too_many.json()["error"]["message"]
+
+
+async def test_the_memory_floor_refuses_a_spawn_with_507(nursery, lane_home):
+    gateway = await start_gateway(nursery, lane_home, spawn_mem_floor_mib=10**8)
+    with trio.fail_after(30):
+        async with gateway.client() as client:
+            response = await client.post("/v1/chat/completions", json=chat_body())
+            assert response.status_code == 507
+            message = response.json()["error"]["message"]
+            assert "MemAvailable" in message and "spawn_mem_floor_mib 0" in message
+            assert await ps(client) == []
