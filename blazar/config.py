@@ -67,6 +67,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cors_origins: list[str] = msgspec.field(default_factory=lambda: ["*"])
     keep_alive: str | int = "5m"
     max_resident_models: int = 3
+    ram_budget_mib: int = 0
     queue_wait_secs: float = 60.0
     spawn_timeout_secs: float = 120.0
     spawn_mem_floor_mib: int = 512
@@ -83,6 +84,7 @@ KEY_DOCS: dict[str, str] = {
     "cors_origins": "origins allowed by CORS; [\"*\"] allows any",
     "keep_alive": "idle time before a resident model is evicted: 30s, 5m, 1h, or seconds",
     "max_resident_models": "how many models may be resident at once",
+    "ram_budget_mib": "total model size resident models may hold, in MiB (0 = no budget)",
     "queue_wait_secs": "longest a request waits for a free slot before a 503 all_slots_busy",
     "spawn_timeout_secs": "how long an engine child may take to load before the request gets a 502",
     "spawn_mem_floor_mib": "MemAvailable that must remain after loading a model",
@@ -265,6 +267,7 @@ def _check_semantics(config: Config, source: str) -> None:
                         ("body_limit_mib", config.body_limit_mib),
                         ("max_resident_models", config.max_resident_models),
                         ("queue_wait_secs", config.queue_wait_secs),
+                        ("ram_budget_mib", config.ram_budget_mib),
                         ("spawn_mem_floor_mib", config.spawn_mem_floor_mib),
                         ("engine.retention", config.engine.retention)):
         if number < 0:

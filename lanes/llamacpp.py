@@ -32,6 +32,9 @@ class SpawnPlan:
     slots: int = DEFAULT_SLOTS
     threads: int | None = None
     embeddings: bool = True
+    pooling: str | None = "mean"  # forced pooling for models without pooling metadata
+    rerank: bool = False
+    props: bool = False
     mmproj: Path | None = None
     extra_flags: tuple[str, ...] = ()
     context_source: str = "default"
@@ -47,8 +50,12 @@ class SpawnPlan:
         ]
         if self.threads:
             command += ["--threads", str(self.threads)]
-        if self.embeddings:
-            command += ["--embeddings", "--pooling", "mean"]
+        if self.rerank:
+            command += ["--reranking"]
+        elif self.embeddings:
+            command += ["--embeddings"] + (["--pooling", self.pooling] if self.pooling else [])
+        if self.props:
+            command += ["--props"]
         if self.mmproj:
             command += ["--mmproj", str(self.mmproj)]
         command += list(self.extra_flags)
@@ -80,3 +87,20 @@ def engine_error_text(body: bytes) -> str:
         if isinstance(error, str):
             return error
     return json.dumps(payload)[:2000]
+
+
+_HELP_CACHE: dict[tuple[str, float], str] = {}
+
+
+def engine_help(binary: Path) -> str:
+    """`llama-server --help` text, cached per binary and mtime (blocking: call from a worker thread)."""
+    import subprocess
+
+    key = (str(binary), binary.stat().st_mtime)
+    if key not in _HELP_CACHE:
+        try:
+            result = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=30)
+            _HELP_CACHE[key] = result.stdout + result.stderr
+        except (OSError, subprocess.TimeoutExpired):
+            _HELP_CACHE[key] = ""
+    return _HELP_CACHE[key]

@@ -172,7 +172,7 @@ def free_port() -> int:
 class Instance:
     def __init__(self, key: str, plan: SpawnPlan, *, lane: trio.MemorySendChannel, keep_alive: float,
                  spawn_timeout: float, children_dir: os.PathLike | None = None,
-                 wait_before_spawn: trio.Event | None = None, spawn_delay: float = 0.0) -> None:
+                 wait_before_spawn: list[trio.Event] | None = None, spawn_delay: float = 0.0) -> None:
         self.key = key
         self.name = f"instance[{key}]"
         self.plan = plan
@@ -402,8 +402,8 @@ class Instance:
         return "\n".join(text.strip().splitlines()[-lines:])
 
     async def _spawn(self) -> None:
-        if self.wait_before_spawn is not None:
-            await self.wait_before_spawn.wait()
+        for predecessor_gone in self.wait_before_spawn or []:
+            await predecessor_gone.wait()  # the memory it frees is what this child needs
         if self.spawn_delay:
             await trio.sleep(self.spawn_delay)
         self.port = free_port()

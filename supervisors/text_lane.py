@@ -154,21 +154,19 @@ class TextLane(MessageLoop):
                                                            State.FAILED) \
                 and (num_ctx is None or num_ctx == previous.plan.context):
             return Ok(Handle(key, previous.mailbox, previous.plan))
-        wait_for: trio.Event | None = None
         if previous is not None:
             # Context change (restart once) or a child on its way out: it drains, the new one waits for it.
             tell(previous.mailbox, Stop(reason=f"restarting with context {plan.context}"))
             self.draining[previous.instance.serial] = self.residents.pop(key)
-            wait_for = previous.instance.gone
-        else:
-            room = self._make_room()
-            if isinstance(room, Err):
-                return room
-            wait_for = room
+            return Ok(await self._start(plan, [previous.instance.gone]))
+        room = self._make_room(plan)
+        if isinstance(room, Err):
+            return room
+        if not room:  # with evictions under way, MemAvailable is about to grow: judge after they finish
             floor = self._memory_floor(plan)
-            if floor is not None and wait_for is None:
+            if floor is not None:
                 return floor
-        return Ok(await self._start(plan, wait_for))
+        return Ok(await self._start(plan, room))
 
     def _plan(self, query: str, num_ctx: int | None) -> SpawnPlan:
         store = Store(self.paths)
@@ -182,7 +180,13 @@ class TextLane(MessageLoop):
         sampling_keys = {"num_ctx", "num_thread"}
         flags = server_flags({k: v for k, v in manifest.overlay.items() if k not in sampling_keys})
         threads = (settings.threads if settings and settings.threads else manifest.overlay.get("num_thread"))
+        from lanes.llamacpp import engine_help
+
+        help_text = engine_help(Path(engine.binary))
         return SpawnPlan(
+            rerank=bool(manifest.info.get("rank_head")),
+            pooling=None if manifest.info.get("embedding_head") else "mean",
+            props="--props" in help_text,
             model=manifest.name, model_path=store.blob_of(manifest), binary=Path(engine.binary),
             engine_tag=engine.tag, context=context, context_source=source,
             slots=(settings.parallel if settings and settings.parallel else 2), threads=threads,
@@ -202,24 +206,38 @@ class TextLane(MessageLoop):
                    hint="free memory or unload a model (blazar stop MODEL), pick a smaller quant (blazar fit), "
                    "or lower the floor: blazar config set spawn_mem_floor_mib 0", status=507)
 
-    def _make_room(self) -> trio.Event | Err | None:
-        live = {k: r for k, r in self.residents.items() if r.state != State.STOPPED}
-        if len(live) < max(1, self.config.max_resident_models):
-            return None
-        idle = [r for r in live.values() if r.state == State.READY and r.in_flight == 0 and r.queued == 0]
-        if not idle:
-            return Err("all_models_busy",
-                       f"{len(live)} models are resident (max_resident_models) and every one is busy",
-                       hint="retry shortly, or raise the cap: blazar config set max_resident_models "
-                       f"{self.config.max_resident_models + 1}", status=503)
-        victim = min(idle, key=lambda r: r.last_used)
-        log.info("evicting %s (least recently used) to make room", victim.instance.key)
-        self._record("evict", victim.instance.key, reason="resident cap")
-        tell(victim.mailbox, Stop(reason="evicted: least recently used at the resident cap"))
-        self.draining[victim.instance.serial] = self.residents.pop(victim.instance.key)
-        return victim.instance.gone
+    def _make_room(self, plan: SpawnPlan) -> list[trio.Event] | Err:
+        """Stop least recently used idle models until the cap and the RAM budget have room for `plan`."""
+        live = [r for r in self.residents.values() if r.state != State.STOPPED]
+        budget = self.config.ram_budget_mib * 1024 * 1024
+        if budget and plan.size_bytes > budget:
+            return Err("over_ram_budget", f"{plan.model} ({plan.size_bytes / 2**20:.0f} MiB) is larger than the whole "
+                       f"ram_budget_mib ({self.config.ram_budget_mib} MiB)",
+                       hint=f"raise it: blazar config set ram_budget_mib {plan.size_bytes // 2**20 + 1}", status=507)
 
-    async def _start(self, plan: SpawnPlan, wait_for: trio.Event | None) -> Handle:
+        def crowded() -> bool:
+            over_cap = len(live) >= max(1, self.config.max_resident_models)
+            over_budget = bool(budget) and sum(r.plan.size_bytes for r in live) + plan.size_bytes > budget
+            return over_cap or over_budget
+
+        gone: list[trio.Event] = []
+        while crowded():
+            idle = [r for r in live if r.state == State.READY and r.in_flight == 0 and r.queued == 0]
+            if not idle:
+                return Err("all_models_busy",
+                           f"{len(live)} resident models fill max_resident_models/ram_budget_mib and every one is busy",
+                           hint="retry shortly, or raise the cap: blazar config set max_resident_models "
+                           f"{self.config.max_resident_models + 1}", status=503)
+            victim = min(idle, key=lambda r: r.last_used)
+            live.remove(victim)
+            log.info("evicting %s (least recently used) to make room for %s", victim.instance.key, plan.model)
+            self._record("evict", victim.instance.key, reason="resident cap or RAM budget")
+            tell(victim.mailbox, Stop(reason="evicted: least recently used, to make room"))
+            self.draining[victim.instance.serial] = self.residents.pop(victim.instance.key)
+            gone.append(victim.instance.gone)
+        return gone
+
+    async def _start(self, plan: SpawnPlan, wait_for: list[trio.Event]) -> Handle:
         keep_alive = parse_duration(
             self.config.models.get(plan.model).keep_alive if self.config.models.get(plan.model)
              and self.config.models.get(plan.model).keep_alive is not None else self.config.keep_alive)

@@ -128,3 +128,18 @@ async def test_think_blocks_are_stripped_unless_thinking_was_asked_for(nursery, 
             kwargs = body(chat_template_kwargs={"enable_thinking": True})
             assert "<think>" in (await client.post("/v1/chat/completions", json=kwargs)).json()[
                 "choices"][0]["message"]["content"]
+
+
+async def test_rerank_answers_on_all_four_spellings(nursery, fake_home):
+    """Rerank needs a model with a rank head, and none ships on PyPI: the labelled fake answers."""
+    gateway = await start_gateway(nursery, fake_home)
+    with trio.fail_after(30):
+        async with gateway.client() as client:
+            for path in ("/v1/rerank", "/v1/reranking", "/rerank", "/reranking"):
+                response = await client.post(path, json={"model": "fake:1", "query": "sea",
+                                                         "documents": ["ocean", "desert", "river"]},
+                                             headers={"X-Blazar-Model": "fake:1"})
+                assert response.status_code == 200, (path, response.text)
+                assert [r["index"] for r in response.json()["results"]] == [0, 1, 2]
+            missing = await client.post("/v1/rerank", json={"query": "sea", "documents": []})
+            assert missing.status_code == 400 and "`model` is required" in missing.json()["error"]["message"]

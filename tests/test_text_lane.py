@@ -239,3 +239,44 @@ async def test_num_ctx_header_restarts_the_model_once(nursery, lane_home):
             assert not pid_alive(before["pid"])
             bad = await client.post("/v1/chat/completions", headers={"X-Blazar-Num-Ctx": "lots"}, json=chat_body())
             assert bad.status_code == 400 and "X-Blazar-Num-Ctx" in bad.json()["error"]["message"]
+
+
+async def test_native_routes_resolve_their_target(nursery, lane_home):
+    gateway = await gateway_with(nursery, lane_home)
+    with trio.fail_after(60):
+        async with gateway.client() as client:
+            cold = await client.post("/tokenize", json={"content": "hi"})
+            assert cold.status_code == 400 and "X-Blazar-Model" in cold.json()["error"]["message"]
+            completion = await client.post("/completion", headers={"X-Blazar-Model": "smollm2"},
+                                           json={"prompt": "The sky is", "n_predict": 4})
+            assert completion.status_code == 200 and completion.json()["content"]
+            applied = await client.post("/apply-template", params={"model": "smollm2:135m"},
+                                        json={"messages": [{"role": "user", "content": "hi"}]})
+            assert "hi" in applied.json()["prompt"]
+            props = (await client.get("/props")).json()  # the single hot child
+            assert props["default_generation_settings"]["n_ctx"] == 4096
+            assert (await client.get("/slots")).status_code == 200
+            bad = await client.post("/slots/0", params={"action": "explode"})
+            assert bad.status_code == 400 and "save, restore or erase" in bad.json()["error"]["message"]
+            listed = (await client.get("/v1/models")).json()["data"]
+            assert [(m["id"], m["resident"], m["engine"]) for m in listed] == [
+                ("smollm2:135m", "ready", listed[0]["engine"])]
+
+
+async def test_the_ram_budget_evicts_to_make_room(nursery, lane_home, shared_home):
+    add_shared_model(lane_home, shared_home, name="second:1")
+    gateway = await gateway_with(nursery, lane_home, ram_budget_mib=150)  # room for one 94 MiB model
+    with trio.fail_after(90):
+        async with gateway.client() as client:
+            assert (await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))).status_code == 200
+            assert (await client.post("/v1/chat/completions", json=chat_body("second:1", max_tokens=1))
+                    ).status_code == 200
+            assert [r["model"] for r in await ps(client)] == ["second:1"]
+
+
+async def test_a_model_larger_than_the_ram_budget_is_refused(nursery, lane_home):
+    gateway = await gateway_with(nursery, lane_home, ram_budget_mib=10)
+    with trio.fail_after(30):
+        async with gateway.client() as client:
+            response = await client.post("/v1/chat/completions", json=chat_body())
+    assert response.status_code == 507 and "ram_budget_mib" in response.json()["error"]["message"]

@@ -64,6 +64,11 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         length = int(self.headers.get("content-length", 0))
         body = json.loads(self.rfile.read(length) or b"{}")
+        if self.path in ("/v1/rerank", "/v1/reranking", "/rerank", "/reranking"):
+            documents = body.get("documents") or []
+            results = [{"index": i, "relevance_score": 1.0 / (1 + i)} for i in range(len(documents))]
+            return self._json(200, {"model": alias, "object": "list", "results": results,
+                                    "usage": {"prompt_tokens": 3, "total_tokens": 3}, "fake_path": self.path})
         if self.path != "/v1/chat/completions":
             return self._json(404, {"error": {"message": f"fake has no {self.path}", "code": 404}})
         delay = float(body.get("fake_delay", 0.05))
