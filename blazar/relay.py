@@ -136,26 +136,17 @@ async def tracked(services: Any, control: Any, work: Callable[[], Any]) -> Any:
                   f"{control.kind or 'cancel'})", code="request_cancelled")
 
 
-async def singleflight(services: Any, key: str, work: Callable[[], Any]) -> Any:
-    """Identical concurrent requests share one upstream call: the first asks, the rest wait for its answer."""
-    waiting = await services.requests.join(key)
-    if waiting is not None:
-        with waiting:
-            outcome = await waiting.receive()
+async def follow_or_lead(control: Any, work: Callable[[], Any]) -> tuple[Any, bool]:
+    """Singleflight: a follower waits for the leader's answer; the leader (or an orphaned follower) asks.
+    Returns (result, led)."""
+    if control.follow is not None:
+        with control.follow:
+            outcome = await control.follow.receive()
         if isinstance(outcome, Refusal):
             raise outcome
         if outcome is not None:
-            return outcome
-        return await work()  # the leader left before it had an answer
-    outcome: Any = None
-    try:
-        outcome = await work()
-        return outcome
-    except Refusal as refusal:
-        outcome = refusal
-        raise
-    finally:
-        await services.requests.publish(key, outcome)
+            return outcome, False
+    return await work(), True
 
 
 def sse_response(stream: UpstreamStream, rewrite: Callable[[bytes], bytes], error_frame: Callable[[str], bytes],

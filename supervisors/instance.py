@@ -200,6 +200,7 @@ class Instance:
         self.output_closed = trio.Event()
         self.crashed = False
         self.serial = next(_serials)
+        self._reported_state: State | None = None
         self._seq = itertools.count()
         self.mailbox: trio.MemorySendChannel | None = None
         self.client: httpx.AsyncClient | None = None
@@ -376,6 +377,11 @@ class Instance:
         self.by_ticket.clear()
 
     def _report(self) -> None:
+        """Tell the lane when the state changed (busy/ready is all its decisions need): one message per
+        transition, not per request."""
+        if self.state == self._reported_state:
+            return
+        self._reported_state = self.state
         tell(self.lane, InstanceEvent(key=self.key, state=self.state, in_flight=self.in_flight,
                                       queued=len(self.waiting), last_used=self.last_used, detail=self.failure,
                                       serial=self.serial))

@@ -32,6 +32,7 @@ class Control:
     id: str
     stop: trio.Event = field(default_factory=trio.Event)
     kind: str = ""  # "cancel" | "interrupt"
+    follow: Any = None  # singleflight: a channel to wait on as a follower, None as the leader
 
 
 class Open(Envelope, frozen=True, tag="open"):
@@ -39,6 +40,7 @@ class Open(Envelope, frozen=True, tag="open"):
     model: str = ""
     route: str = ""
     stream: bool = False
+    flight_key: str | None = None  # singleflight: join the flight of identical requests
 
 
 class Update(Envelope, frozen=True, tag="update"):
@@ -51,6 +53,9 @@ class Close(Envelope, frozen=True, tag="close"):
     id: str = ""
     state: str = "done"
     fields: dict = {}
+    partial: str = ""
+    flight_key: str | None = None  # singleflight: hand `result` to the followers
+    result: Any = None
 
 
 class Get(Envelope, frozen=True, tag="get"):
@@ -105,6 +110,8 @@ class RequestRegistry(MessageLoop):
                                       "queue_ms": None, "compute_ms": None, "partial": ""}
                 control = Control(card_id)
                 self.controls[card_id] = control
+                if message.flight_key is not None:
+                    control.follow = self._join(message.flight_key)
                 return Ok(control)
             case Update(id=card_id, fields=fields, partial=partial):
                 card = self.live.get(card_id)
@@ -114,10 +121,14 @@ class RequestRegistry(MessageLoop):
                         card["partial"] = (card["partial"] + partial)[:PARTIAL_LIMIT]
                 return None
             case Close(id=card_id, state=state, fields=fields):
+                if message.flight_key is not None:
+                    self._publish(message.flight_key, message.result)
                 card = self.live.pop(card_id, None)
                 self.controls.pop(card_id, None)
                 if card is not None:
                     card.update(fields)
+                    if message.partial:
+                        card["partial"] = (card["partial"] + message.partial)[:PARTIAL_LIMIT]
                     card["state"] = state
                     card["finished"] = time.time()
                     self.finished.append(card)
@@ -162,37 +173,47 @@ class RequestRegistry(MessageLoop):
                 self.completions.move_to_end(card_id)
                 return Ok(dict(card))
             case Join(key=key):
-                followers = self.flights.get(key)
-                if followers is None:
-                    self.flights[key] = []
-                    return Ok(None)  # leader: go and ask the engine
-                send, receive = trio.open_memory_channel[Any](1)
-                followers.append(send)
-                return Ok(receive)  # follower: wait here for the leader's result
+                return Ok(self._join(key))
             case Publish(key=key, result=result):
-                for follower in self.flights.pop(key, []):
-                    try:
-                        follower.send_nowait(result)
-                    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
-                        pass  # that follower's client left
+                self._publish(key, result)
                 return None
         return Err("unknown_op", f"request registry does not understand {type(message).__name__}")
+
+    def _join(self, key: str) -> trio.MemoryReceiveChannel | None:
+        """None: lead (ask the engine). A channel: follow (the leader's result arrives there)."""
+        followers = self.flights.get(key)
+        if followers is None:
+            self.flights[key] = []
+            return None
+        send, receive = trio.open_memory_channel[Any](1)
+        followers.append(send)
+        return receive
+
+    def _publish(self, key: str, result: Any) -> None:
+        for follower in self.flights.pop(key, []):
+            try:
+                follower.send_nowait(result)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+                pass  # that follower's client left
 
 
 class RequestsClient:
     def __init__(self, mailbox: trio.MemorySendChannel) -> None:
         self.mailbox = mailbox
 
-    async def open(self, *, trace_id: str, model: str, route: str, stream: bool) -> Control:
+    async def open(self, *, trace_id: str, model: str, route: str, stream: bool,
+                   flight_key: str | None = None) -> Control:
         return await call(self.mailbox, lambda r: Open(reply=r, trace_id=trace_id, model=model, route=route,
-                                                         stream=stream))
+                                                         stream=stream, flight_key=flight_key))
 
     def update(self, card_id: str, partial: str = "", **fields: Any) -> None:
         tell(self.mailbox, Update(id=card_id, fields=fields, partial=partial))
 
-    async def close(self, card_id: str, state: str, **fields: Any) -> None:
+    async def close(self, card_id: str, state: str, *, partial: str = "", flight_key: str | None = None,
+                    result: Any = None, **fields: Any) -> None:
         with trio.CancelScope(shield=True), trio.move_on_after(1):
-            await self.mailbox.send(Close(id=card_id, state=state, fields=fields))
+            await self.mailbox.send(Close(id=card_id, state=state, fields=fields, partial=partial,
+                                          flight_key=flight_key, result=result))
 
     async def get(self, card_id: str) -> dict[str, Any]:
         return await call(self.mailbox, lambda r: Get(reply=r, id=card_id))

@@ -87,6 +87,7 @@ class TextLane(MessageLoop):
         self.crashes: dict[str, deque[float]] = {}
         self.broken: dict[str, str] = {}
         self.mailbox: trio.MemorySendChannel | None = None
+        self.aliases: dict[str, str] = {}  # what clients call a model -> its store name (fast path)
 
     async def on_start(self, nursery: trio.Nursery) -> None:
         self.nursery = nursery
@@ -128,7 +129,7 @@ class TextLane(MessageLoop):
     # ------------------------------------------------------------ ensure
 
     def _find(self, query: str) -> Resident | None:
-        resident = self.residents.get(query)
+        resident = self.residents.get(query) or self.residents.get(self.aliases.get(query, ""))
         if resident is not None:
             return resident
         matches = [r for k, r in self.residents.items() if k.lower() == query.lower()
@@ -147,6 +148,7 @@ class TextLane(MessageLoop):
             return Err("model_not_found" if getattr(error, "status", 400) == 404 else "model_unavailable",
                        error.message, hint=error.fix, status=getattr(error, "status", 400))
         key = plan.model
+        self.aliases[query] = key
         if key in self.broken:
             return Err("engine_breaker_open", self.broken[key], hint="blazar ps --reset", status=502)
         previous = self.residents.get(key)

@@ -8,7 +8,7 @@ import msgspec
 import trio
 from quart import Blueprint, Response, current_app, request
 
-from blazar.relay import Refusal, forward, json_reply, singleflight, sse_response, tracked
+from blazar.relay import Refusal, engine_failure, follow_or_lead, forward, json_reply, sse_response, tracked
 from supervisors.instance import UpstreamCall, UpstreamReply
 
 from .translate import (
@@ -77,24 +77,33 @@ async def chat_completions():
         encoded = msgspec.json.encode(body)
     except (RequestError, Refusal) as error:
         return _refuse(error)
+    flight_key = None if stream else f"{model}\0{request.headers.get('x-blazar-num-ctx', '')}\0{encoded.decode()}"
     control = await services.requests.open(trace_id=request.scope.get("blazar.trace_id", ""), model=model,
-                                           route=request.path, stream=stream)
+                                           route=request.path, stream=stream, flight_key=flight_key)
     started = trio.current_time()
     upstream = UpstreamCall(path="/v1/chat/completions", body=encoded, stream=stream)
     if not stream:
         state = "failed"
+        outcome: Any = None  # what followers of this flight receive if this request led it
+        led = control.follow is None
+        closing: dict[str, Any] = {}
         try:
             async def ask() -> UpstreamReply:
                 return await forward(services, model, upstream, request.headers)
 
-            flight_key = f"{model}\0{request.headers.get('x-blazar-num-ctx', '')}\0{encoded.decode()}"
-            result = await tracked(services, control, lambda: singleflight(services, flight_key, ask))
-            response = json_reply(result, strip_think_buffered if strip else None, headers)
-            payload = msgspec.json.decode(await response.get_data())
+            result, led = await tracked(services, control, lambda: follow_or_lead(control, ask))
+            outcome = result
+            if result.status >= 400:
+                raise engine_failure(result)
+            payload = msgspec.json.decode(result.body)  # parsed once: stripped, recorded, re-encoded
+            if strip:
+                payload = strip_think_buffered(payload)
+            response = Response(msgspec.json.encode(payload), status=result.status, headers=headers,
+                                content_type="application/json")
             state = "done"
             usage = payload.get("usage") or {}
-            services.requests.update(control.id, partial=_message_text(payload), tokens=usage.get("completion_tokens"),
-                                     queue_ms=round(result.queued_secs * 1000, 1))
+            closing = {"partial": _message_text(payload), "tokens": usage.get("completion_tokens"),
+                       "queue_ms": round(result.queued_secs * 1000, 1)}
             if metadata is not None and payload.get("id"):
                 services.requests.save_completion({"id": payload["id"], "object": "chat.completion",
                                                    "created": payload.get("created"), "model": payload.get("model"),
@@ -102,13 +111,16 @@ async def chat_completions():
             return response
         except (RequestError, Refusal) as error:
             state = "cancelled" if isinstance(error, Refusal) and error.status == 499 else "failed"
+            if isinstance(error, Refusal) and error.status != 499:
+                outcome = error
             return _refuse(error)
         except BaseException:
             state = "disconnected"
             raise
         finally:
             elapsed_ms = round((trio.current_time() - started) * 1000, 1)
-            await services.requests.close(control.id, state, compute_ms=elapsed_ms)
+            await services.requests.close(control.id, state, compute_ms=elapsed_ms,
+                                          flight_key=flight_key if led else None, result=outcome, **closing)
     try:
         result = await tracked(services, control, lambda: forward(services, model, upstream, request.headers))
     except (RequestError, Refusal) as error:
