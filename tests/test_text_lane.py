@@ -280,3 +280,35 @@ async def test_a_model_larger_than_the_ram_budget_is_refused(nursery, lane_home)
         async with gateway.client() as client:
             response = await client.post("/v1/chat/completions", json=chat_body())
     assert response.status_code == 507 and "ram_budget_mib" in response.json()["error"]["message"]
+
+
+async def test_think_blocks_from_the_real_engine_are_stripped_unless_asked_for(nursery, lane_home):
+    # A GBNF grammar makes the real engine emit a think block, whatever the model would have said.
+    forced = {"grammar": 'root ::= "<think>secret plan</think>Hello there"', "max_tokens": 40, "temperature": 0}
+    gateway = await gateway_with(nursery, lane_home)
+    with trio.fail_after(60):
+        async with gateway.client() as client:
+            plain = await client.post("/v1/chat/completions", json=chat_body(**forced))
+            assert plain.json()["choices"][0]["message"]["content"] == "Hello there"
+            assert plain.headers["x-blazar-structured-output"] == "gbnf"
+            pieces = []
+            async with client.stream("POST", "/v1/chat/completions", json=chat_body(stream=True, **forced)) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        for choice in json.loads(line[6:]).get("choices") or []:
+                            pieces.append((choice.get("delta") or {}).get("content") or "")
+            assert "".join(pieces) == "Hello there"
+            asked = await client.post("/v1/chat/completions", json=chat_body(think=True, **forced))
+            assert asked.json()["choices"][0]["message"]["content"] == "<think>secret plan</think>Hello there"
+
+
+async def test_json_mode_is_passed_to_the_engine_with_a_receipt(nursery, lane_home):
+    gateway = await gateway_with(nursery, lane_home)
+    schema = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}
+    with trio.fail_after(60):
+        async with gateway.client() as client:
+            response = await client.post("/v1/chat/completions", json=chat_body(
+                text="Name a colour as JSON.", max_tokens=40, temperature=0,
+                response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}))
+    assert response.headers["x-blazar-structured-output"] == "json_schema"
+    assert isinstance(json.loads(response.json()["choices"][0]["message"]["content"])["colour"], str)
