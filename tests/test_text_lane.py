@@ -258,7 +258,8 @@ async def test_native_routes_resolve_their_target(nursery, lane_home):
             assert (await client.get("/slots")).status_code == 200
             bad = await client.post("/slots/0", params={"action": "explode"})
             assert bad.status_code == 400 and "save, restore or erase" in bad.json()["error"]["message"]
-            legacy = await client.post("/v1/completions", json={"model": "smollm2", "prompt": "One, two,", "max_tokens": 3})
+            legacy = await client.post("/v1/completions", json={"model": "smollm2", "prompt": "One, two,",
+                                                                 "max_tokens": 3})
             assert legacy.status_code == 200 and legacy.json()["choices"][0]["text"]
             listed = (await client.get("/v1/models")).json()["data"]
             assert [(m["id"], m["resident"], m["engine"]) for m in listed] == [
