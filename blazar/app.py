@@ -88,6 +88,12 @@ def create_app(services: Services) -> BlazarApp:
 
     app.register_blueprint(request_cards)
     app.register_blueprint(native_engine)
+    from dialects.ollama.routes import blueprint as ollama
+
+    app.register_blueprint(ollama)
+    from dialects.anthropic.routes import blueprint as anthropic
+
+    app.register_blueprint(anthropic)
     if test_hooks_enabled():
         from dialects.native.test_hooks import blueprint as hooks
 

@@ -505,12 +505,29 @@ class Instance:
         assert self.client is not None
         try:
             if not call.stream:
-                response = await self.client.request(call.method, url, content=call.body or None, headers=headers)
+                try:
+                    response = await self.client.request(call.method, url, content=call.body or None,
+                                                         headers=headers)
+                except httpx.RemoteProtocolError:
+                    if self.process is None or self.process.returncode is not None:
+                        raise
+                    # The engine closed a pooled keep-alive connection (it does after a stream): the
+                    # request never reached it, so it is safe to send once more on a fresh connection.
+                    response = await self.client.request(call.method, url, content=call.body or None,
+                                                         headers=headers)
                 answer(waiter.reply, Ok(UpstreamReply(status=response.status_code, body=response.content,
                                                       content_type=response.headers.get("content-type", ""),
                                                       queued_secs=queued_secs)))
                 return
-            async with self.client.stream(call.method, url, content=call.body, headers=headers) as response:
+            async with contextlib.AsyncExitStack() as stack:
+                try:
+                    response = await stack.enter_async_context(
+                        self.client.stream(call.method, url, content=call.body, headers=headers))
+                except httpx.RemoteProtocolError:
+                    if self.process is None or self.process.returncode is not None:
+                        raise
+                    response = await stack.enter_async_context(  # a stale pooled connection: once more
+                        self.client.stream(call.method, url, content=call.body, headers=headers))
                 if response.status_code != 200 or "text/event-stream" not in response.headers.get("content-type", ""):
                     body = await response.aread()
                     answer(waiter.reply, Ok(UpstreamReply(status=response.status_code, body=body,

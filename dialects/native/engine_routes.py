@@ -105,12 +105,6 @@ async def slot_action(slot_id: int):
     return await _native(f"/slots/{slot_id}?action={action}")
 
 
-@blueprint.get("/api/ps")
-async def ps():
-    rows = await current_app.services.lane.ps()
-    return Response(msgspec.json.encode({"models": rows}), content_type="application/json")
-
-
 @blueprint.post("/api/ps/reset")
 async def ps_reset():
     cleared = await current_app.services.lane.reset(request.args.get("model"))

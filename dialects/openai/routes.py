@@ -9,6 +9,7 @@ import trio
 from quart import Blueprint, Response, current_app, request
 
 from blazar.relay import Refusal, engine_failure, follow_or_lead, forward, json_reply, sse_response, tracked
+from dialects.chat_core import forced_tool, run_chat
 from supervisors.instance import UpstreamCall, UpstreamReply
 
 from .translate import (
@@ -75,6 +76,8 @@ async def chat_completions():
             headers["x-blazar-structured-output"] = receipt
         stream = body.get("stream") is True
         encoded = msgspec.json.encode(body)
+        if forced_tool(body) is not None:
+            return await _enforced_tool_call(body)
     except (RequestError, Refusal) as error:
         return _refuse(error)
     flight_key = None if stream else f"{model}\0{request.headers.get('x-blazar-num-ctx', '')}\0{encoded.decode()}"
@@ -151,6 +154,23 @@ async def chat_completions():
 
     return sse_response(result, rewrite, openai_error_frame, headers, control=control,
                         interrupt_frame=lambda: interrupt_frame(control.id), cancel_frame=cancel_frame, finish=finish)
+
+
+async def _enforced_tool_call(body: dict[str, Any]) -> Response:
+    """A forced tool call (tool_choice required or named): grammar-enforced, as a real tool call."""
+    result = await run_chat(current_app.services, body, request.headers)
+    if result.payload is not None:
+        return Response(msgspec.json.encode(result.payload), content_type="application/json", headers=result.headers)
+
+    async def frames():
+        async for chunk in result.chunks:
+            yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    response = Response(frames(), content_type="text/event-stream", headers={"cache-control": "no-cache",
+                                                                             **result.headers})
+    response.timeout = None
+    return response
 
 
 def _message_text(payload: dict[str, Any]) -> str:
@@ -240,18 +260,22 @@ async def responses_input_tokens():
         return _refuse(error)
 
 
-async def _count_tokens(model: str, template_body: dict[str, Any]) -> Response:
-    services = current_app.services
+async def count_input_tokens(services: Any, model: str, template_body: dict[str, Any], headers: Any) -> int:
+    """The chat template applied by the engine, then tokenized: what the prompt really costs."""
     applied = await forward(services, model, UpstreamCall(path="/apply-template",
-                                                          body=msgspec.json.encode(template_body)), request.headers)
+                                                          body=msgspec.json.encode(template_body)), headers)
     if applied.status >= 400:
-        return json_reply(applied)
+        raise engine_failure(applied)
     prompt = msgspec.json.decode(applied.body).get("prompt", "")
     tokens = await forward(services, model, UpstreamCall(path="/tokenize", body=msgspec.json.encode(
-        {"content": prompt, "add_special": True, "parse_special": True})), request.headers)
+        {"content": prompt, "add_special": True, "parse_special": True})), headers)
     if tokens.status >= 400:
-        return json_reply(tokens)
-    count = len(msgspec.json.decode(tokens.body).get("tokens", []))
+        raise engine_failure(tokens)
+    return len(msgspec.json.decode(tokens.body).get("tokens", []))
+
+
+async def _count_tokens(model: str, template_body: dict[str, Any]) -> Response:
+    count = await count_input_tokens(current_app.services, model, template_body, request.headers)
     return Response(msgspec.json.encode({"object": "response.input_tokens", "input_tokens": count}),
                     content_type="application/json")
 

@@ -1,0 +1,415 @@
+"""Ollama-compatible routes: decode, translate to the canonical chat call, render Ollama's shapes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import trio
+from quart import Blueprint, Response, current_app, request
+
+from blazar import __version__
+from blazar.config import ConfigError, parse_duration
+from blazar.relay import Refusal, forward
+from dialects.chat_core import StreamBroken, ToolCallAccumulator, run_chat
+from dialects.openai.translate import RequestError, decode_object
+from supervisors.actor import ActorError
+from supervisors.instance import UpstreamCall
+
+from . import translate as t
+
+blueprint = Blueprint("ollama", __name__)
+
+
+def _json(payload: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(payload), status=status, content_type="application/json")
+
+
+def _error(status: int, message: str) -> Response:
+    return _json({"error": message}, status)
+
+
+def _refuse(error: Exception) -> Response:
+    if isinstance(error, Refusal):
+        return _error(error.status, f"{error.message} (fix: {error.hint})" if error.hint else error.message)
+    return _error(400, str(getattr(error, "message", error)))
+
+
+async def _body() -> dict[str, Any]:
+    raw = await request.get_data()
+    try:
+        return decode_object(raw)
+    except RequestError as error:
+        raise Refusal(400, error.message) from None
+
+
+def _keep_alive(body: dict[str, Any]) -> float | None:
+    if "keep_alive" not in body or body["keep_alive"] is None:
+        return None
+    try:
+        return parse_duration(body["keep_alive"])
+    except ConfigError as error:
+        raise Refusal(400, f"`keep_alive` {body['keep_alive']!r}: {error.message}", hint="e.g. \"5m\", 300, 0, -1") \
+            from None
+
+
+def _store():
+    from blazar.store import Store
+
+    return Store(current_app.services.paths)
+
+
+def _details(manifest: Any) -> dict[str, Any]:
+    info = manifest.info or {}
+    return {"parent_model": manifest.base or "", "format": manifest.format, "family": info.get("architecture", ""),
+            "families": [info.get("architecture", "")], "parameter_size": info.get("parameters_human", ""),
+            "quantization_level": manifest.quant or info.get("quantization") or ""}
+
+
+@blueprint.get("/api/version")
+async def version():
+    return _json({"version": __version__})
+
+
+@blueprint.get("/api/tags")
+async def tags():
+    from blazar.engines import Roster
+
+    def listing() -> list[dict[str, Any]]:
+        engine = Roster(current_app.services.paths).active()
+        return [{"name": m.name, "model": m.name, "modified_at": t.rfc3339(m.created_at), "size": m.size,
+                 "digest": m.blob, "details": _details(m), "blazar_engine": engine.tag if engine else None}
+                for m in _store().all()]
+
+    return _json({"models": await trio.to_thread.run_sync(listing)})
+
+
+@blueprint.post("/api/show")
+async def show():
+    try:
+        body = await _body()
+        name = t.require_model(body)
+    except (RequestError, Refusal) as error:
+        return _refuse(error)
+    from blazar.store import StoreError
+
+    try:
+        manifest = await trio.to_thread.run_sync(_store().resolved, name)
+    except StoreError as error:
+        return _error(error.status, f"{error.message} (fix: {error.fix})")
+    info = manifest.info or {}
+    capabilities = ["completion"] + (["vision"] if manifest.mmproj else [])
+    parameters = "\n".join(f"{k} {v}" for k, v in manifest.overlay.items())
+    modelfile = f"FROM {manifest.base or manifest.name}\n" + "".join(
+        f"PARAMETER {k} {v}\n" for k, v in manifest.overlay.items()) + (
+        f'SYSTEM """{manifest.system}"""\n' if manifest.system else "")
+    model_info = {"general.architecture": info.get("architecture"), "general.parameter_count": info.get("parameters"),
+                  f"{info.get('architecture')}.context_length": info.get("context_length"),
+                  f"{info.get('architecture')}.embedding_length": info.get("embedding_length"),
+                  f"{info.get('architecture')}.block_count": info.get("block_count")}
+    return _json({"modelfile": modelfile, "parameters": parameters, "template": manifest.template or "",
+                  "details": _details(manifest), "model_info": model_info, "capabilities": capabilities,
+                  "modified_at": t.rfc3339(manifest.created_at), "system": manifest.system or ""})
+
+
+@blueprint.delete("/api/delete")
+@blueprint.post("/api/delete")
+async def delete():
+    from blazar.engines import live_children
+    from blazar.store import StoreError
+
+    try:
+        body = await _body()
+        name = t.require_model(body)
+    except (RequestError, Refusal) as error:
+        return _refuse(error)
+
+    def remove() -> list[str]:
+        running = {c.get("model", "") for c in live_children(current_app.services.paths)}
+        return _store().remove([name], running=running)
+
+    try:
+        await trio.to_thread.run_sync(remove)
+    except StoreError as error:
+        status = 404 if error.status == 404 else error.status
+        return _error(status, f"{error.message} (fix: {error.fix})")
+    return Response(b"", status=200)
+
+
+@blueprint.post("/api/copy")
+async def copy():
+    from blazar.store import StoreError
+
+    try:
+        body = await _body()
+        source, destination = body.get("source"), body.get("destination")
+        if not isinstance(source, str) or not isinstance(destination, str):
+            raise RequestError("`source` and `destination` are required model names")
+    except (RequestError, Refusal) as error:
+        return _refuse(error)
+    try:
+        await trio.to_thread.run_sync(_store().copy, source, destination)
+    except StoreError as error:
+        return _error(error.status, f"{error.message} (fix: {error.fix})")
+    return Response(b"", status=200)
+
+
+@blueprint.get("/api/ps")
+async def ps():
+    """Ollama's shape, plus Blazar's own fields (slots, ports, in-flight, keep-alive countdown, engine)."""
+    rows = await current_app.services.lane.ps()
+    now = time.time()
+    models = []
+    for row in rows:
+        idle = row.get("idle_expires_in_secs")
+        models.append({**row, "name": row["model"], "size": row.get("size_bytes", 0), "size_vram": 0,
+                       "digest": "", "context_length": row.get("context"),
+                       "expires_at": t.rfc3339(now + idle) if idle is not None else None,
+                       "blazar_engine": row.get("engine")})
+    return _json({"models": models})
+
+
+@blueprint.post("/api/pull")
+async def pull():
+    from blazar import pull as puller
+    from blazar.store import StoreError
+
+    try:
+        body = await _body()
+        target = t.require_model(body)
+    except (RequestError, Refusal) as error:
+        return _refuse(error)
+    store = _store()
+    send, receive = trio.open_memory_channel[dict[str, Any]](256)
+    token = trio.lowlevel.current_trio_token()
+
+    def progress(status: str, completed: int, total: int | None) -> None:
+        event = {"status": "downloading" if status in ("downloading", "resuming", "extracting") else status,
+                 "completed": completed, "total": total}
+        trio.from_thread.run_sync(send.send_nowait, event, trio_token=token)
+
+    async def work(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with send:
+            task_status.started()
+            await send.send({"status": "pulling manifest"})
+            try:
+                manifest, _ = await trio.to_thread.run_sync(lambda: puller.pull(
+                    store, target, progress=_safe(progress), notes=lambda text: None))
+            except StoreError as error:
+                await send.send({"error": f"{error.message} (fix: {error.fix})", "_status": error.status})
+                return
+            await send.send({"status": "verifying sha256 digest", "digest": f"sha256:{manifest.blob}"})
+            await send.send({"status": "writing manifest"})
+            await send.send({"status": "success"})
+
+    if body.get("stream", True) is False:
+        events = []
+        async with trio.open_nursery() as nursery:
+            await nursery.start(work)
+            async for event in receive:
+                events.append(event)
+        last = events[-1]
+        if "error" in last:
+            return _error(last.pop("_status", 500), last["error"])
+        return _json({"status": "success"})
+
+    async def lines() -> AsyncIterator[bytes]:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(work)
+            async for event in receive:
+                event.pop("_status", None)
+                yield msgspec.json.encode(event) + b"\n"
+
+    response = Response(lines(), content_type="application/x-ndjson")
+    response.timeout = None
+    return response
+
+
+def _safe(progress):
+    def call(status: str, completed: int, total: int | None) -> None:
+        try:
+            progress(status, completed, total)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError, RuntimeError):
+            pass  # a slow reader misses a progress line, never the result
+    return call
+
+
+async def _chat_like(kind: str):
+    services = current_app.services
+    started = time.perf_counter()
+    try:
+        body = await _body()
+        if kind == "chat":
+            canonical, num_ctx = t.canonical_chat(body)
+            if not canonical["messages"]:
+                return await _load_or_unload(body, canonical["model"])
+        else:
+            canonical, num_ctx = t.canonical_generate(body)
+            if not body.get("prompt") and not body.get("images"):
+                return await _load_or_unload(body, canonical["model"])
+        keep_alive = _keep_alive(body)
+        result = await run_chat(services, canonical, request.headers, keep_alive=keep_alive, num_ctx=num_ctx)
+    except (RequestError, Refusal) as error:
+        return _refuse(error)
+    model = canonical["model"]
+    if result.payload is not None:
+        return _json(_render(kind, model, result.payload, started, final=True), 200)
+    return _ndjson(kind, model, result.chunks, started, result.headers)
+
+
+def _render(kind: str, model: str, payload: dict[str, Any], started: float, *, final: bool) -> dict[str, Any]:
+    choice = (payload.get("choices") or [{}])[0]
+    message = choice.get("message") or {}
+    out: dict[str, Any] = {"model": model, "created_at": t.now_rfc3339()}
+    text = message.get("content") or ""
+    if kind == "chat":
+        rendered: dict[str, Any] = {"role": "assistant", "content": text}
+        if message.get("reasoning_content"):
+            rendered["thinking"] = message["reasoning_content"]
+        if message.get("tool_calls"):
+            rendered["tool_calls"] = t.ollama_tool_calls(message["tool_calls"])
+        out["message"] = rendered
+    else:
+        out["response"] = text
+        if message.get("reasoning_content"):
+            out["thinking"] = message["reasoning_content"]
+    if choice.get("logprobs"):
+        out["logprobs"] = choice["logprobs"].get("content")
+    out.update(done=True, done_reason=t.done_reason(choice.get("finish_reason")),
+               **t.timing_fields(payload, started, 0.0))
+    return out
+
+
+def _ndjson(kind: str, model: str, chunks: AsyncIterator[dict[str, Any]], started: float,
+            headers: dict[str, str]) -> Response:
+    async def lines() -> AsyncIterator[bytes]:
+        tools = ToolCallAccumulator()
+        last: dict[str, Any] = {}
+        finish = None
+        try:
+            async for chunk in chunks:
+                last = chunk if chunk.get("usage") or chunk.get("timings") else last
+                for choice in chunk.get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    finish = choice.get("finish_reason") or finish
+                    if delta.get("tool_calls"):
+                        tools.feed(delta["tool_calls"])
+                    piece = delta.get("content") or ""
+                    thinking = delta.get("reasoning_content") or ""
+                    if not piece and not thinking:
+                        continue
+                    frame: dict[str, Any] = {"model": model, "created_at": t.now_rfc3339(), "done": False}
+                    if kind == "chat":
+                        frame["message"] = {"role": "assistant", "content": piece,
+                                            **({"thinking": thinking} if thinking else {})}
+                    else:
+                        frame["response"] = piece
+                        if thinking:
+                            frame["thinking"] = thinking
+                    yield msgspec.json.encode(frame) + b"\n"
+        except StreamBroken as error:
+            yield msgspec.json.encode({"error": str(error)}) + b"\n"
+            return
+        calls = tools.finished()
+        if calls and kind == "chat":
+            frame = {"model": model, "created_at": t.now_rfc3339(), "done": False,
+                     "message": {"role": "assistant", "content": "", "tool_calls": t.ollama_tool_calls(
+                         [{"function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls])}}
+            yield msgspec.json.encode(frame) + b"\n"
+        final = {"model": model, "created_at": t.now_rfc3339(), "done": True, "done_reason": t.done_reason(finish),
+                 **t.timing_fields(last, started, 0.0)}
+        if kind == "chat":
+            final["message"] = {"role": "assistant", "content": ""}
+        else:
+            final["response"] = ""
+        yield msgspec.json.encode(final) + b"\n"
+
+    response = Response(lines(), content_type="application/x-ndjson", headers=headers)
+    response.timeout = None
+    return response
+
+
+async def _load_or_unload(body: dict[str, Any], model: str) -> Response:
+    """Ollama's idiom: an empty chat/generate loads the model; with keep_alive 0 it unloads it."""
+    keep_alive = _keep_alive(body)
+    services = current_app.services
+    kind = "message" if "messages" in body else "response"
+    if keep_alive == 0:
+        try:
+            await services.lane.unload(model)
+        except ActorError as error:
+            if error.err.status != 404:
+                return _error(error.err.status, error.err.message)
+        payload = {"model": model, "created_at": t.now_rfc3339(), "done": True, "done_reason": "unload"}
+    else:
+        try:
+            await forward(services, model, UpstreamCall(method="GET", path="/health"), request.headers,
+                          keep_alive=keep_alive)
+        except Refusal as error:
+            return _refuse(error)
+        payload = {"model": model, "created_at": t.now_rfc3339(), "done": True, "done_reason": "load"}
+    payload[kind] = {"role": "assistant", "content": ""} if kind == "message" else ""
+    return _json(payload)
+
+
+@blueprint.post("/api/chat")
+async def chat():
+    return await _chat_like("chat")
+
+
+@blueprint.post("/api/generate")
+async def generate():
+    return await _chat_like("generate")
+
+
+async def _embed(legacy: bool):
+    services = current_app.services
+    started = time.perf_counter()
+    try:
+        body = await _body()
+        model = t.require_model(body)
+        inputs = body.get("prompt") if legacy else body.get("input")
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
+            field = "prompt" if legacy else "input"
+            raise RequestError(f"`{field}` must be a string" + ("" if legacy else " or an array of strings"))
+        _, num_ctx = t.options_to_fields(body.get("options"))
+        reply = await forward(services, model, UpstreamCall(path="/v1/embeddings", body=msgspec.json.encode(
+            {"model": model, "input": inputs})), request.headers, keep_alive=_keep_alive(body), num_ctx=num_ctx)
+    except (RequestError, Refusal) as error:
+        return _refuse(error)
+    if reply.status >= 400:
+        from lanes.llamacpp import engine_error_text
+
+        return _error(502 if reply.status >= 500 else reply.status, engine_error_text(reply.body))
+    payload = msgspec.json.decode(reply.body)
+    vectors = [row["embedding"] for row in sorted(payload["data"], key=lambda r: r["index"])]
+    if legacy:
+        return _json({"embedding": vectors[0] if vectors else []})
+    return _json({"model": model, "embeddings": vectors, "total_duration": int((time.perf_counter() - started) * 1e9),
+                  "load_duration": 0, "prompt_eval_count": (payload.get("usage") or {}).get("prompt_tokens", 0)})
+
+
+@blueprint.post("/api/embed")
+async def embed():
+    return await _embed(legacy=False)
+
+
+@blueprint.post("/api/embeddings")
+async def embeddings():
+    return await _embed(legacy=True)
+
+
+@blueprint.post("/api/rerank")
+async def rerank():
+    try:
+        body = await _body()
+        model = t.require_model(body)
+        reply = await forward(current_app.services, model, UpstreamCall(
+            path="/v1/rerank", body=msgspec.json.encode(body)), request.headers)
+    except (RequestError, Refusal) as error:
+        return _refuse(error)
+    return Response(reply.body, status=reply.status if reply.status < 500 else 502, content_type="application/json")

@@ -1,0 +1,173 @@
+"""Pure Ollama <-> canonical (OpenAI chat) translations."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+
+from dialects.openai.translate import RequestError
+
+# Ollama `options` -> OpenAI/llama-server request fields.
+OPTION_FIELDS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
+    "num_predict": "max_tokens", "stop": "stop", "repeat_penalty": "repeat_penalty",
+    "repeat_last_n": "repeat_last_n", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "typical_p": "typical_p", "mirostat": "mirostat",
+    "mirostat_eta": "mirostat_eta", "mirostat_tau": "mirostat_tau", "num_keep": "n_keep",
+}
+SPAWN_OPTIONS = {"num_ctx", "num_thread", "num_gpu", "num_batch", "low_vram", "use_mmap", "use_mlock", "numa",
+                 "main_gpu", "f16_kv", "vocab_only", "num_gqa"}
+
+
+def now_rfc3339() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+def rfc3339(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).isoformat().replace("+00:00", "Z")
+
+
+def require_model(body: dict[str, Any]) -> str:
+    model = body.get("model") or body.get("name")
+    if not isinstance(model, str) or not model.strip():
+        raise RequestError("`model` is required, e.g. {\"model\": \"smollm2:135m\"} (GET /api/tags lists them)")
+    return model.strip()
+
+
+def options_to_fields(options: Any) -> tuple[dict[str, Any], int | None]:
+    """Sampling options as request fields, and num_ctx (a spawn option) separately."""
+    if options is None:
+        return {}, None
+    if not isinstance(options, dict):
+        raise RequestError("`options` must be an object, e.g. {\"temperature\": 0.2, \"num_ctx\": 4096}")
+    fields: dict[str, Any] = {}
+    for key, value in options.items():
+        if key in OPTION_FIELDS:
+            fields[OPTION_FIELDS[key]] = value
+        elif key not in SPAWN_OPTIONS:
+            accepted = ", ".join(sorted([*OPTION_FIELDS, *SPAWN_OPTIONS]))
+            raise RequestError(f"unknown option {key!r}; accepted: {accepted}")
+    num_ctx = options.get("num_ctx")
+    if num_ctx is not None and (not isinstance(num_ctx, int) or num_ctx < 128):
+        raise RequestError(f"options.num_ctx must be a whole number ≥ 128, got {num_ctx!r}")
+    return fields, num_ctx
+
+
+def format_to_response_format(fmt: Any) -> dict[str, Any] | None:
+    if fmt in (None, ""):
+        return None
+    if fmt == "json":
+        return {"type": "json_object"}
+    if isinstance(fmt, dict):
+        return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    raise RequestError(f"`format` must be \"json\" or a JSON schema object, got {fmt!r}")
+
+
+def _images_to_parts(text: str, images: list[str]) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+    for image in images:
+        url = image if image.startswith("data:") else f"data:image/png;base64,{image}"
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    return parts
+
+
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list):
+        raise RequestError("`messages` must be an array of {role, content} objects")
+    out = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestError(f"`messages[{index}]` needs a string `role`")
+        content = message.get("content") or ""
+        converted: dict[str, Any] = {"role": message["role"]}
+        images = message.get("images") or []
+        converted["content"] = _images_to_parts(content, images) if images else content
+        if message.get("tool_calls"):
+            converted["tool_calls"] = [
+                {"id": f"call_{index}_{n}", "type": "function",
+                 "function": {"name": call["function"]["name"],
+                              "arguments": msgspec.json.encode(call["function"].get("arguments") or {}).decode()}}
+                for n, call in enumerate(message["tool_calls"])]
+        if message["role"] == "tool":
+            name = message.get("name") or message.get("tool_name")  # an explicit name wins
+            if name:
+                converted["name"] = name
+        out.append(converted)
+    return out
+
+
+def thinking_fields(think: Any) -> dict[str, Any]:
+    if think is None:
+        return {}
+    if isinstance(think, bool):
+        return {"think": think, "chat_template_kwargs": {"enable_thinking": think}}
+    if isinstance(think, str) and think in ("low", "medium", "high"):
+        return {"reasoning_effort": think, "think": True}
+    raise RequestError(f"`think` must be true, false, or \"low\"/\"medium\"/\"high\", got {think!r}")
+
+
+def canonical_chat(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    model = require_model(body)
+    fields, num_ctx = options_to_fields(body.get("options"))
+    request: dict[str, Any] = {"model": model, "messages": chat_messages(body.get("messages", [])), **fields,
+                               "stream": body.get("stream", True) is not False}
+    response_format = format_to_response_format(body.get("format"))
+    if response_format:
+        request["response_format"] = response_format
+    if body.get("tools"):
+        request["tools"] = body["tools"]
+    request.update(thinking_fields(body.get("think")))
+    if body.get("logprobs"):
+        request["logprobs"] = True
+        if body.get("top_logprobs"):
+            request["top_logprobs"] = body["top_logprobs"]
+    return request, num_ctx
+
+
+def canonical_generate(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    model = require_model(body)
+    prompt = body.get("prompt", "")
+    if not isinstance(prompt, str):
+        raise RequestError("`prompt` must be a string")
+    messages: list[dict[str, Any]] = []
+    if isinstance(body.get("system"), str) and body["system"]:
+        messages.append({"role": "system", "content": body["system"]})
+    images = body.get("images") or []
+    messages.append({"role": "user", "content": _images_to_parts(prompt, images) if images else prompt})
+    request, num_ctx = canonical_chat({**body, "model": model, "messages": [], "tools": None})
+    request["messages"] = messages
+    return request, num_ctx
+
+
+def timing_fields(payload: dict[str, Any], started: float, load_secs: float) -> dict[str, Any]:
+    usage = payload.get("usage") or {}
+    timings = payload.get("timings") or {}
+    total_ns = int((time.perf_counter() - started) * 1e9)
+    return {
+        "total_duration": total_ns,
+        "load_duration": int(load_secs * 1e9),
+        "prompt_eval_count": usage.get("prompt_tokens", timings.get("prompt_n", 0)),
+        "prompt_eval_duration": int(timings.get("prompt_ms", 0) * 1e6),
+        "eval_count": usage.get("completion_tokens", timings.get("predicted_n", 0)),
+        "eval_duration": int(timings.get("predicted_ms", 0) * 1e6),
+    }
+
+
+def ollama_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for call in calls:
+        function = call.get("function") or call
+        raw = function.get("arguments") or "{}"
+        try:
+            arguments = msgspec.json.decode(raw) if isinstance(raw, str) else raw
+        except msgspec.DecodeError:
+            arguments = {"_raw": raw}
+        out.append({"function": {"name": function.get("name"), "arguments": arguments}})
+    return out
+
+
+def done_reason(finish_reason: str | None) -> str:
+    return {"length": "length", "tool_calls": "stop", None: "stop"}.get(finish_reason, "stop")
