@@ -160,6 +160,9 @@ async def test_ollama_client(live, nursery, tmp_path, monkeypatch):
         generated = await run(lambda: client.generate(model=MODEL, prompt=QUESTION,
                                                       options={"temperature": 0, "num_predict": 12}))
         assert generated.response == answer.message.content
+        raw = await run(lambda: client.generate(model=MODEL, prompt="One, two, three,", raw=True,
+                                                options={"temperature": 0, "num_predict": 6}))
+        assert raw.response.strip() and raw.done
         assert MODEL in [m.model for m in (await run(client.list)).models]
         shown = await run(lambda: client.show(MODEL))
         assert shown.capabilities == ["completion"] and shown.details.quantization_level == "Q4_1"

@@ -250,7 +250,10 @@ async def _chat_like(kind: str):
             if not body.get("prompt") and not body.get("images"):
                 return await _load_or_unload(body, canonical["model"])
         keep_alive = _keep_alive(body)
-        result = await run_chat(services, canonical, request.headers, keep_alive=keep_alive, num_ctx=num_ctx)
+        if kind == "generate" and body.get("raw") is True:
+            result = await _raw_completion(services, canonical, body["prompt"], keep_alive, num_ctx)
+        else:
+            result = await run_chat(services, canonical, request.headers, keep_alive=keep_alive, num_ctx=num_ctx)
     except (RequestError, Refusal) as error:
         return _refuse(error)
     model = canonical["model"]
@@ -259,11 +262,31 @@ async def _chat_like(kind: str):
     return _ndjson(kind, model, result.chunks, started, result.headers)
 
 
+async def _raw_completion(services: Any, canonical: dict[str, Any], prompt: str, keep_alive: float | None,
+                          num_ctx: int | None) -> Any:
+    """`raw: true`: the prompt goes to the engine verbatim, no chat template."""
+    from dialects.chat_core import ChatResult, _chunks
+    from supervisors.instance import UpstreamReply
+
+    skip = {"messages", "tools", "think", "chat_template_kwargs", "reasoning_effort"}
+    body = {k: v for k, v in canonical.items() if k not in skip} | {"prompt": prompt}
+    result = await forward(services, canonical["model"], UpstreamCall(
+        path="/v1/completions", body=msgspec.json.encode(body), stream=body.get("stream") is True),
+        request.headers, keep_alive=keep_alive, num_ctx=num_ctx)
+    if isinstance(result, UpstreamReply):
+        if result.status >= 400:
+            from blazar.relay import engine_failure
+
+            raise engine_failure(result)
+        return ChatResult(payload=msgspec.json.decode(result.body))
+    return ChatResult(chunks=_chunks(result, strip=False))
+
+
 def _render(kind: str, model: str, payload: dict[str, Any], started: float, *, final: bool) -> dict[str, Any]:
     choice = (payload.get("choices") or [{}])[0]
     message = choice.get("message") or {}
     out: dict[str, Any] = {"model": model, "created_at": t.now_rfc3339()}
-    text = message.get("content") or ""
+    text = message.get("content") or choice.get("text") or ""
     if kind == "chat":
         rendered: dict[str, Any] = {"role": "assistant", "content": text}
         if message.get("reasoning_content"):
@@ -296,7 +319,7 @@ def _ndjson(kind: str, model: str, chunks: AsyncIterator[dict[str, Any]], starte
                     finish = choice.get("finish_reason") or finish
                     if delta.get("tool_calls"):
                         tools.feed(delta["tool_calls"])
-                    piece = delta.get("content") or ""
+                    piece = delta.get("content") or choice.get("text") or ""
                     thinking = delta.get("reasoning_content") or ""
                     if not piece and not thinking:
                         continue
