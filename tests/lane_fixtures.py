@@ -11,6 +11,7 @@ import httpx
 
 from blazar.engines import EngineEntry, Roster
 from blazar.paths import Paths
+from blazar.procs import pid_alive  # noqa: F401 - re-exported for the lane tests
 from blazar.store import Store
 
 FAKE_ENGINE = Path(__file__).parent / "engines" / "fake_llama_server.py"
@@ -29,18 +30,6 @@ def add_shared_model(home: Paths, shared_home: Paths, name: str = "smollm2:135m"
         os.link(shared.blob_of(manifest), target)
     manifest.name = name
     store.put(manifest)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
 
 
 async def ps(client: httpx.AsyncClient) -> list[dict]:

@@ -13,6 +13,7 @@ from blazar.cli.output import EXIT_CONFIG, emit_json, fail, note, say
 from blazar.config import ConfigError, ConfigFile
 from blazar.logs import setup_logging
 from blazar.paths import Paths
+from blazar.procs import pid_alive
 
 
 @click.command()
@@ -55,9 +56,9 @@ async def stop(model: str | None, as_json: bool, wait_secs: float) -> None:
     os.kill(pid, signal.SIGTERM)
     note(f"sent SIGTERM to blazar (pid {pid}); waiting for it to drain")
     with trio.move_on_after(wait_secs):
-        while _alive(pid):  # noqa: ASYNC110 - another process: there is no event to wait on
+        while pid_alive(pid):  # noqa: ASYNC110 - another process: there is no event to wait on
             await trio.sleep(0.1)
-    stopped = not _alive(pid)
+    stopped = not pid_alive(pid)
     if as_json:
         emit_json({"stopped": stopped, "pid": pid, "url": info.get("url")})
     elif stopped:
@@ -65,21 +66,6 @@ async def stop(model: str | None, as_json: bool, wait_secs: float) -> None:
     if not stopped:
         fail(f"blazar (pid {pid}) is still draining after {wait_secs:g}s",
              fix="wait, or run `blazar stop` again to skip the drain (a second signal stops it now)")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        # A zombie child of ours (tests) counts as gone.
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return True
 
 
 async def _unload(paths: Paths, model: str, as_json: bool) -> None:
