@@ -36,6 +36,7 @@ class Services:
     engine_identity: Callable[[], dict[str, Any] | None] = lambda: None
     lane: Any = None  # supervisors.text_lane.LaneClient
     requests: Any = None  # supervisors.requests.RequestsClient
+    obs: Any = None  # blazar.observability.Observability
 
 
 class BlazarApp(QuartTrio):
@@ -94,6 +95,9 @@ def create_app(services: Services) -> BlazarApp:
     from dialects.anthropic.routes import blueprint as anthropic
 
     app.register_blueprint(anthropic)
+    from dialects.admin.routes import blueprint as admin
+
+    app.register_blueprint(admin)
     if test_hooks_enabled():
         from dialects.native.test_hooks import blueprint as hooks
 

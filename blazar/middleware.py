@@ -60,9 +60,10 @@ class TraceIds:
 class RequestLog:
     """Assigns (or accepts a well-formed incoming) trace id, echoes it, logs one line per request."""
 
-    def __init__(self, app: ASGIApp, trace_ids: TraceIds) -> None:
+    def __init__(self, app: ASGIApp, trace_ids: TraceIds, obs: Any = None) -> None:
         self.app = app
         self.trace_ids = trace_ids
+        self.obs = obs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -84,8 +85,13 @@ class RequestLog:
         try:
             await self.app(scope, receive, send_with_trace)
         finally:
-            access_log.info("%s %s %s %.1fms %s", scope["method"], scope["path"], status or "-",
-                            (time.perf_counter() - started) * 1000, trace)
+            elapsed = time.perf_counter() - started
+            access_log.info("%s %s %s %.1fms %s", scope["method"], scope["path"], status or "-", elapsed * 1000, trace)
+            if self.obs is not None and status:
+                from blazar.errors import dialect_for_path
+
+                self.obs.request(scope["path"], dialect_for_path(scope["path"]), scope.get("blazar.model", ""),
+                                 status, elapsed)
 
 
 class Cors:
@@ -188,7 +194,7 @@ class BodyLimit:
 
 
 def build_stack(app: ASGIApp, *, cors_origins: list[str], body_limit_bytes: int,
-                trace_ids: TraceIds, auth: Callable[[ASGIApp], ASGIApp] | None = None,
+                trace_ids: TraceIds, obs: Any = None, auth: Callable[[ASGIApp], ASGIApp] | None = None,
                 session_pin: Callable[[ASGIApp], ASGIApp] | None = None) -> ASGIApp:
     """Wrap `app` in the spec's middleware order. `auth` and `session_pin` are the open slots."""
     inner: ASGIApp = session_pin(app) if session_pin else app
@@ -196,7 +202,7 @@ def build_stack(app: ASGIApp, *, cors_origins: list[str], body_limit_bytes: int,
     inner = Cors(inner, cors_origins)
     if auth:
         inner = auth(inner)
-    return RequestLog(inner, trace_ids)
+    return RequestLog(inner, trace_ids, obs)
 
 
 def test_hooks_enabled() -> bool:

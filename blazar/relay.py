@@ -52,6 +52,14 @@ class Refusal(Exception):
                         content_type="application/json")
 
 
+def _tag_model(model: str) -> None:
+    """Name the model in the ASGI scope, for the request metrics the middleware records."""
+    from quart import has_request_context, request
+
+    if has_request_context():
+        request.scope["blazar.model"] = model
+
+
 def num_ctx_header(headers: Any) -> int | None:
     raw = headers.get("x-blazar-num-ctx")
     if raw is None or raw.strip() == "":
@@ -65,6 +73,7 @@ def num_ctx_header(headers: Any) -> int | None:
 async def forward(services: Any, model: str, upstream: UpstreamCall, headers: Any,
                   keep_alive: float | None = None, num_ctx: int | None = None) -> UpstreamReply | UpstreamStream:
     """Raises Refusal for anything the client should hear as an error."""
+    _tag_model(model)
     if num_ctx is None:
         num_ctx = num_ctx_header(headers)
     try:
@@ -73,6 +82,7 @@ async def forward(services: Any, model: str, upstream: UpstreamCall, headers: An
         raise Refusal.from_err(error.err) from None
     except ActorUnavailable as error:
         raise Refusal(503, f"the text lane did not answer: {error}", hint="retry in a moment") from None
+    _tag_model(handle.key)
     now = trio.current_time()
     try:
         plan = schedule(now, priority=headers.get("x-blazar-priority"), deadline_ms=headers.get("x-blazar-deadline-ms"),

@@ -34,6 +34,7 @@ from blazar.app import Services, create_app
 from blazar.config import Config, ConfigFile, parse_bind
 from blazar.engines import Roster, sweep_orphans
 from blazar.middleware import build_stack
+from blazar.observability import Observability
 from blazar.paths import Paths
 from supervisors.actor import supervise
 from supervisors.ledger import LedgerActor, LedgerClient
@@ -97,15 +98,16 @@ async def run_gateway(
         config_file = ConfigFile(paths.config)
         registry = RegistryClient(
             await root.start(partial(supervise, lambda: RegistryActor(config_file, config))))
+        obs = Observability()
         lane = LaneClient(await root.start(partial(
-            supervise, lambda: TextLane(paths, config, ledger=ledger), mailbox_size=1024)))
+            supervise, lambda: TextLane(paths, config, ledger=ledger, obs=obs), mailbox_size=1024)))
         requests = RequestsClient(await root.start(partial(supervise, RequestRegistry, mailbox_size=4096)))
         services = Services(paths=paths, config=config, ledger=ledger, registry=registry,
-                            engine_identity=Roster(paths).identity, lane=lane, requests=requests)
+                            engine_identity=Roster(paths).identity, lane=lane, requests=requests, obs=obs)
         app = create_app(services)
         asgi = build_stack(app, cors_origins=config.cors_origins,
                            body_limit_bytes=config.body_limit_mib * 1024 * 1024,
-                           trace_ids=services.trace_ids)
+                           trace_ids=services.trace_ids, obs=obs)
         hyper = _hypercorn_config(config)
 
         async def http_server(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

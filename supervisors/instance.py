@@ -153,6 +153,28 @@ class _Waiter:
     reply: Any = field(compare=False)
     expire_at: float = field(compare=False)
     enqueued_at: float = field(compare=False)
+    cold: bool = field(compare=False, default=False)  # it waited for the child to load
+
+
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/completion")
+
+
+def _decode_or_empty(body: bytes) -> dict[str, Any]:
+    try:
+        payload = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return {}
+    return payload if isinstance(payload, dict) else {}
+
+
+def _final_event(tail: bytes) -> dict[str, Any]:
+    """The last SSE event that carries timings or usage (llama-server puts them in the final chunk)."""
+    for event in reversed(tail.replace(b"\r\n", b"\n").split(b"\n\n")):
+        if b'"timings"' in event or b'"usage"' in event:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    return _decode_or_empty(line[5:].strip())
+    return {}
 
 
 _tickets = itertools.count(1)
@@ -172,7 +194,9 @@ def free_port() -> int:
 class Instance:
     def __init__(self, key: str, plan: SpawnPlan, *, lane: trio.MemorySendChannel, keep_alive: float,
                  spawn_timeout: float, children_dir: os.PathLike | None = None,
-                 wait_before_spawn: list[trio.Event] | None = None, spawn_delay: float = 0.0) -> None:
+                 wait_before_spawn: list[trio.Event] | None = None, spawn_delay: float = 0.0,
+                 obs: Any = None) -> None:
+        self.obs = obs
         self.key = key
         self.name = f"instance[{key}]"
         self.plan = plan
@@ -347,7 +371,8 @@ class Instance:
         if message.keep_alive is not None:
             self.keep_alive = message.keep_alive
         waiter = _Waiter(due=message.due, seq=next(self._seq), ticket=message.ticket, call=message.call,
-                         reply=message.reply, expire_at=message.expire_at, enqueued_at=trio.current_time())
+                         reply=message.reply, expire_at=message.expire_at, enqueued_at=trio.current_time(),
+                         cold=self.ready_at is None)
         heapq.heappush(self.waiting, waiter)
         self.by_ticket[waiter.ticket] = waiter
         self._dispatch()
@@ -518,6 +543,8 @@ class Instance:
                 answer(waiter.reply, Ok(UpstreamReply(status=response.status_code, body=response.content,
                                                       content_type=response.headers.get("content-type", ""),
                                                       queued_secs=queued_secs)))
+                if response.status_code == 200 and call.path in GENERATION_PATHS:
+                    self._observe(waiter, queued_secs, _decode_or_empty(response.content), first_chunk=None)
                 return
             async with contextlib.AsyncExitStack() as stack:
                 try:
@@ -539,9 +566,17 @@ class Instance:
                     if not answer(waiter.reply, Ok(UpstreamStream(status=200, chunks=receive,
                                                                   queued_secs=queued_secs))):
                         return  # the caller left before the first byte
+                    sent_at = trio.current_time()
+                    first_chunk: float | None = None
+                    tail = b""
                     try:
                         async for chunk in response.aiter_raw():
+                            if first_chunk is None:
+                                first_chunk = trio.current_time() - sent_at
+                            tail = (tail + chunk)[-8192:]
                             await send.send(chunk)
+                        if call.path in GENERATION_PATHS:
+                            self._observe(waiter, queued_secs, _final_event(tail), first_chunk=first_chunk)
                     except httpx.TransportError as error:
                         await trio.sleep(0.05)  # let the exit watcher and output drain see the crash
                         with contextlib.suppress(trio.BrokenResourceError):
@@ -555,6 +590,20 @@ class Instance:
             with trio.CancelScope(shield=True), contextlib.suppress(trio.BrokenResourceError,
                                                                     trio.ClosedResourceError):
                 await self.mailbox.send(_Finished(ticket=waiter.ticket))
+
+    def _observe(self, waiter: _Waiter, queued: float, payload: dict[str, Any], first_chunk: float | None) -> None:
+        """TTFT from admission (engine timings for buffered answers), TPOT from the engine's timings."""
+        if self.obs is None:
+            return
+        timings = payload.get("timings") or {}
+        usage = payload.get("usage") or {}
+        ttft = first_chunk if first_chunk is not None else (timings.get("prompt_ms") or 0) / 1000 or None
+        per_token = timings.get("predicted_per_token_ms")
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or timings.get("cache_n") or 0
+        self.obs.generation(self.key, ttft=ttft, cold=waiter.cold, tpot=per_token / 1000 if per_token else None,
+                            queued=queued, prompt_tokens=usage.get("prompt_tokens") or timings.get("prompt_n") or 0,
+                            completion_tokens=usage.get("completion_tokens") or timings.get("predicted_n") or 0,
+                            cached_tokens=cached)
 
     def _broken(self, error: Exception) -> str:
         code = self.process.returncode if self.process else None

@@ -57,6 +57,11 @@ class Reset(Envelope, frozen=True, tag="reset"):
     model: str | None = None
 
 
+class Explain(Envelope, frozen=True, tag="explain"):
+    model: str = ""
+    num_ctx: int | None = None
+
+
 @dataclass
 class Resident:
     instance: Instance
@@ -78,10 +83,11 @@ class Handle:
 class TextLane(MessageLoop):
     name = "text-lane"
 
-    def __init__(self, paths: Paths, config: Config, *, ledger: Any = None) -> None:
+    def __init__(self, paths: Paths, config: Config, *, ledger: Any = None, obs: Any = None) -> None:
         self.paths = paths
         self.config = config
         self.ledger = ledger
+        self.obs = obs
         self.residents: dict[str, Resident] = {}
         self.draining: dict[int, Resident] = {}  # by instance serial: replaced but still finishing
         self.crashes: dict[str, deque[float]] = {}
@@ -118,6 +124,8 @@ class TextLane(MessageLoop):
                 return None  # the instance answers once its child is gone
             case Ps():
                 return Ok(self._views())
+            case Explain(model=model, num_ctx=num_ctx):
+                return await self._explain(model, num_ctx)
             case Reset(model=model):
                 cleared = [k for k in list(self.broken) if model in (None, k)]
                 for key in cleared:
@@ -169,6 +177,37 @@ class TextLane(MessageLoop):
             if floor is not None:
                 return floor
         return Ok(await self._start(plan, room))
+
+    async def _explain(self, query: str, num_ctx: int | None) -> Reply:
+        """The effective-config card: what a request for `query` would run, and why."""
+        try:
+            plan = await trio.to_thread.run_sync(self._plan, query, num_ctx)
+        except (StoreError, EngineError) as error:
+            return Err("model_not_found", error.message, hint=error.fix, status=getattr(error, "status", 400))
+        resident = self.residents.get(plan.model)
+        warnings = []
+        if resident is not None and num_ctx is not None and num_ctx != resident.plan.context:
+            warnings.append(f"the resident child runs context {resident.plan.context}; a request asking for "
+                            f"{num_ctx} restarts {plan.model} once")
+        if plan.model in self.broken:
+            warnings.append("crash breaker open: blazar ps --reset")
+        live = resident.instance.describe() if resident is not None else None
+        return Ok({
+            "model": plan.model,
+            "lane": {"kind": "llamacpp", "engine": plan.engine_tag, "binary": str(plan.binary),
+                     "reason": "GGUF model served by the active llama.cpp engine (the only local text lane)"},
+            "context": {"requested": num_ctx, "effective": plan.context, "source": plan.context_source,
+                        "per_slot": True, "total": plan.context * plan.slots},
+            "slots": {"sized_at_spawn": plan.slots, "live": live["slots"] if live else None},
+            "speculation": {"mode": "off", "draft": None},
+            "kv_cache": {"type_k": "f16", "type_v": "f16", "bytes_per_token": None},
+            "flags": plan.argv(0)[1:],
+            "admission": {"queue_wait_secs": self.config.queue_wait_secs, "in_flight": live["in_flight"] if live
+                          else 0, "queued": live["queued"] if live else 0},
+            "resident": live,
+            "residents": [r.instance.key for r in self.residents.values()],
+            "warnings": warnings,
+        })
 
     def _plan(self, query: str, num_ctx: int | None) -> SpawnPlan:
         store = Store(self.paths)
@@ -245,7 +284,7 @@ class TextLane(MessageLoop):
              and self.config.models.get(plan.model).keep_alive is not None else self.config.keep_alive)
         recent = self._recent_crashes(plan.model)
         delay = min(5.0, 0.5 * 2 ** (recent - 1)) if recent else 0.0
-        instance = Instance(plan.model, plan, lane=self.mailbox, keep_alive=keep_alive,
+        instance = Instance(plan.model, plan, lane=self.mailbox, keep_alive=keep_alive, obs=self.obs,
                             spawn_timeout=self.config.spawn_timeout_secs, children_dir=self.paths.run / "children",
                             wait_before_spawn=wait_for, spawn_delay=delay)
         send, receive = trio.open_memory_channel[Envelope](256)
@@ -310,6 +349,8 @@ class TextLane(MessageLoop):
     def _record(self, kind: str, model: str, **detail: Any) -> None:
         if self.ledger is not None:
             self.ledger.record_event(kind, model=model, **detail)
+        if self.obs is not None:
+            self.obs.event(kind, model, **detail)
 
 
 class LaneClient:
@@ -324,6 +365,9 @@ class LaneClient:
 
     async def ps(self) -> list[dict[str, Any]]:
         return await call(self.mailbox, lambda r: Ps(reply=r))
+
+    async def explain(self, model: str, num_ctx: int | None = None) -> dict[str, Any]:
+        return await call(self.mailbox, lambda r: Explain(reply=r, model=model, num_ctx=num_ctx))
 
     async def reset(self, model: str | None = None) -> list[str]:
         return await call(self.mailbox, lambda r: Reset(reply=r, model=model))

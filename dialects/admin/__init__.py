@@ -1,0 +1,1 @@
+"""Blazar's own observability and admin routes."""

@@ -1,0 +1,150 @@
+"""Observability: /metrics, /api/quantiles, /api/events, /api/explain/{model}, /api/capacity,
+/api/fabric, /api/benchmarks."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import trio
+from quart import Blueprint, Response, current_app, request
+
+from blazar.doctor import meminfo
+from blazar.relay import Refusal, num_ctx_header
+from supervisors.actor import ActorError
+
+blueprint = Blueprint("admin", __name__)
+
+
+def _json(payload: Any) -> Response:
+    return Response(msgspec.json.encode(payload), content_type="application/json")
+
+
+@blueprint.get("/metrics")
+async def metrics():
+    services = current_app.services
+    services.obs.set_residents(await services.lane.ps())
+    return Response(services.obs.exposition(), content_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@blueprint.get("/api/quantiles")
+async def quantiles():
+    return _json(current_app.services.obs.quantiles())
+
+
+@blueprint.get("/api/events")
+async def events():
+    obs = current_app.services.obs
+    receive = obs.subscribe()
+
+    async def stream() -> AsyncIterator[bytes]:
+        yield b": connected to blazar events\n\n"
+        with receive:
+            while True:
+                event = None
+                with trio.move_on_after(15):
+                    event = await receive.receive()
+                if event is None:
+                    yield b": keep-alive\n\n"
+                    continue
+                yield b"event: " + event["type"].encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
+
+    response = Response(stream(), content_type="text/event-stream", headers={"cache-control": "no-cache"})
+    response.timeout = None
+    return response
+
+
+@blueprint.get("/api/explain/<path:model>")
+async def explain(model: str):
+    try:
+        raw = request.args.get("num_ctx")
+        num_ctx = int(raw) if raw and raw.isdigit() else num_ctx_header(request.headers)
+        card = await current_app.services.lane.explain(model, num_ctx)
+    except Refusal as error:
+        return Response(msgspec.json.encode({"error": error.message}), status=error.status,
+                        content_type="application/json")
+    except ActorError as error:
+        return Response(msgspec.json.encode({"error": f"{error.err.message} (fix: {error.err.hint})"}),
+                        status=error.err.status, content_type="application/json")
+    return _json(card)
+
+
+def gpu_census() -> tuple[list[dict[str, Any]], str | None]:
+    """(devices, note). Blocking: NVML calls."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as error:
+        return [], f"CPU-only host: no NVIDIA driver answered NVML ({error}); models run on the CPU"
+    try:
+        devices = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            utilization = pynvml.nvmlDeviceGetUtilizationRates(handle)
+            name = pynvml.nvmlDeviceGetName(handle)
+            processes = []
+            for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) or []:
+                processes.append({"pid": process.pid, "used_bytes": process.usedGpuMemory})
+            devices.append({"index": index, "name": name.decode() if isinstance(name, bytes) else name,
+                            "vram_total_bytes": memory.total, "vram_free_bytes": memory.free,
+                            "utilization_pct": utilization.gpu, "compute_processes": processes})
+        return devices, None if devices else "the NVIDIA driver reports no GPU"
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _cpu() -> dict[str, Any]:
+    memory = meminfo()
+    return {"cores": os.cpu_count(), "ram_total_bytes": memory.get("MemTotal"),
+            "ram_available_bytes": memory.get("MemAvailable")}
+
+
+@blueprint.get("/api/capacity")
+async def capacity():
+    devices, note = await trio.to_thread.run_sync(gpu_census)
+    residents = await current_app.services.lane.ps()
+    resident_pids = {row.get("pid") for row in residents}
+    for device in devices:
+        for process in device["compute_processes"]:
+            process["resident"] = process["pid"] in resident_pids
+    return _json({"gpus": devices, "note": note, "cpu": await trio.to_thread.run_sync(_cpu),
+                  "residents": [{"model": r["model"], "pid": r.get("pid"), "device": "cpu" if not devices else "gpu",
+                                 "size_bytes": r.get("size_bytes")} for r in residents]})
+
+
+@blueprint.get("/api/fabric")
+async def fabric():
+    from blazar.engines import Roster
+
+    services = current_app.services
+    devices, note = await trio.to_thread.run_sync(gpu_census)
+    roster = await trio.to_thread.run_sync(Roster(services.paths).read)
+    residents = await services.lane.ps()
+    notes = [note] if note else []
+    notes.append("inventory only: placement decisions stay with the spawn planner")
+    return _json({
+        "cpu": await trio.to_thread.run_sync(_cpu),
+        "gpus": devices,
+        "assignments": [{"model": r["model"], "engine": r.get("engine"), "device": "cpu" if not devices else "gpu",
+                         "context": r.get("context"), "slots": r.get("slots"), "state": r.get("state")}
+                        for r in residents],
+        "engines": [{"tag": e.tag, "kind": e.kind, "backend": e.backend, "active": e.tag == roster.active}
+                    for e in roster.engines.values()],
+        "remotes": [],
+        "notes": notes,
+    })
+
+
+@blueprint.get("/api/benchmarks")
+async def benchmarks():
+    rows = await current_app.services.ledger.query(
+        "SELECT model, engine_tag, MAX(ts) AS measured, pp_tps, tg_tps, detail FROM benchmarks "
+        "GROUP BY model, engine_tag ORDER BY model, engine_tag")
+    return _json({"benchmarks": [{"model": r["model"], "engine": r["engine_tag"], "measured_at": r["measured"],
+                                  "pp_tps": r["pp_tps"], "tg_tps": r["tg_tps"],
+                                  "source": msgspec.json.decode(r["detail"]).get("source", "blazar bench")}
+                                 for r in rows]})
