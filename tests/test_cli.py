@@ -45,6 +45,7 @@ COVERED_ELSEWHERE = {
     ("search",): "tests/test_models.py::test_search_filters_by_quant",
     ("engine", "update"): "tests/test_cli.py::test_store_and_roster_commands_print_pure_jsonl",
     ("ps",): "tests/test_cli.py::test_run_ps_and_stop_against_a_live_daemon",
+    ("bench",): "tests/test_cli.py::test_bench_stores_figures_that_show_reports",
 }
 SCENARIO = {("import",), ("cp",), ("list",), ("show",), ("create",), ("mmproj",), ("fit",), ("rm",),
             ("engine", "local"), ("engine", "list"), ("engine", "use"), ("engine", "rollback"),
@@ -234,3 +235,18 @@ async def test_run_ps_and_stop_against_a_live_daemon(home: Paths, tmp_path, shar
             assert await server.wait() == 0
     finally:
         server.kill()
+
+
+async def test_bench_stores_figures_that_show_reports(home: Paths, shared_home, shared_engine):
+    from tests.conftest import arun_cli
+    from tests.lane_fixtures import add_shared_model, register_engine
+
+    register_engine(home, shared_engine.binary, shared_engine.tag)
+    add_shared_model(home, shared_home)
+    result = await arun_cli("bench", "smollm2", "--runs", "1", "--tokens", "8", "--json")
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout)
+    assert figures["model"] == "smollm2:135m" and figures["pp_tps"] > 0 and figures["tg_tps"] > 0
+    shown = json.loads((await arun_cli("show", "smollm2", "--json")).stdout)
+    assert shown["last_benchmark"]["tg_tps"] == figures["tg_tps"]
+    assert "generation" in (await arun_cli("show", "smollm2")).stdout

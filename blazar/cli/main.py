@@ -88,7 +88,6 @@ PENDING: dict[str, tuple[str, str]] = {
     "session": ("slot KV checkpoints per model", "session banks"),
     "quantize": ("derive a quantization with llama-quantize", "the model store and engine roster"),
     "lora": ("LoRA adapter management", "LoRA variants"),
-    "bench": ("pp/tg benchmark", "the benchmark harness"),
     "tune": ("grid search of serving knobs", "the benchmark harness"),
     "drafts": ("speculative draft candidates", "speculative decoding"),
     "coreside": ("VRAM co-residency plan", "the GPU census"),
@@ -114,12 +113,13 @@ def _pending(name: str, purpose: str, waits_for: str) -> click.Command:
 
 
 def _register() -> None:
-    from blazar.cli import chat_cmd, completions, config_cmd, doctor_cmd, engine_cmd, models_cmd, serve_cmd
+    from blazar.cli import bench_cmd, chat_cmd, completions, config_cmd, doctor_cmd, engine_cmd, models_cmd, serve_cmd
 
     for command in (serve_cmd.serve, serve_cmd.stop, config_cmd.config, doctor_cmd.doctor,
                     completions.completions, engine_cmd.engine, models_cmd.pull, models_cmd.import_,
                     models_cmd.cp, models_cmd.create, models_cmd.rm, models_cmd.list_, models_cmd.show,
-                    models_cmd.mmproj, models_cmd.search, models_cmd.fit, chat_cmd.run, chat_cmd.ps):
+                    models_cmd.mmproj, models_cmd.search, models_cmd.fit, chat_cmd.run, chat_cmd.ps,
+                    bench_cmd.bench):
         cli.add_command(command)
     for name, (purpose, waits_for) in PENDING.items():
         if name not in cli.commands:

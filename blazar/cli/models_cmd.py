@@ -260,9 +260,11 @@ async def show(model: str, as_json: bool) -> None:
             capabilities.append("rerank")
         if manifest.mmproj:
             capabilities.append("vision")
+        from blazar.cli.bench_cmd import last_benchmark
+
         return {**_row(manifest), "info": info, "capabilities": capabilities,
                 "profile": {**manifest.overlay, **(msgspec.to_builtins(settings) if settings else {})},
-                "path": str(store.blob_path(manifest.blob)), "last_benchmark": None}
+                "path": str(store.blob_path(manifest.blob)), "last_benchmark": last_benchmark(paths, manifest.name)}
 
     try:
         details = await trio.to_thread.run_sync(work)
@@ -280,7 +282,7 @@ async def show(model: str, as_json: bool) -> None:
                          ("capabilities", ", ".join(details["capabilities"])),
                          ("size", _size(details["size"])), ("sha256", details["blob"]),
                          ("source", details["source"].get("kind")), ("profile", details["profile"] or "defaults"),
-                         ("last benchmark", "none yet (blazar bench)")):
+                         ("last benchmark", _bench_text(details["last_benchmark"]))):
         say(f"    {label:<16}{value}")
 
 
@@ -295,6 +297,13 @@ async def mmproj(model: str, projector: Path, as_json: bool) -> None:
     except StoreError as error:
         _fail(error)
     _report(as_json, manifest, f"attached projector {manifest.mmproj[:12]} to {manifest.name}")
+
+
+def _bench_text(row: dict | None) -> str:
+    if row is None:
+        return "none yet (blazar bench MODEL)"
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["measured_at"]))
+    return f"prompt {row['pp_tps']:.0f} tok/s, generation {row['tg_tps']:.0f} tok/s on {row['engine']} ({when})"
 
 
 def _report(as_json: bool, manifest: ModelManifest, text: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -20,6 +21,17 @@ blueprint = Blueprint("admin", __name__)
 
 def _json(payload: Any) -> Response:
     return Response(msgspec.json.encode(payload), content_type="application/json")
+
+
+CONSOLE = (Path(__file__).parent / "console.html").read_bytes()
+
+
+@blueprint.get("/ui")
+async def console():
+    """The web console: one self-contained page (no CDN, no external references)."""
+    return Response(CONSOLE, content_type="text/html; charset=utf-8",
+                    headers={"content-security-policy": "default-src 'self'; script-src 'unsafe-inline' 'self'; "
+                             "style-src 'unsafe-inline'"})
 
 
 @blueprint.get("/metrics")

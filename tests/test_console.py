@@ -1,0 +1,55 @@
+"""The web console in a real headless Chromium against a live gateway (real llama-server)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import trio
+
+from blazar.paths import Paths
+from tests.conftest import start_gateway
+from tests.lane_fixtures import add_shared_model, chat_body, register_engine
+
+pytestmark = pytest.mark.engine
+OUTPUT = Path(__file__).resolve().parent.parent / "test-output"
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--hide-scrollbars", "--window-size=1280,900"]
+
+
+def chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        pytest.fail("chromium is not installed: ./scripts/test installs it (apt-get install chromium)")
+    return found
+
+
+async def test_the_console_renders_live_data_in_chromium(nursery, home: Paths, shared_home: Paths, shared_engine,
+                                                         tmp_path):
+    register_engine(home, shared_engine.binary, shared_engine.tag)
+    add_shared_model(home, shared_home)
+    gateway = await start_gateway(nursery, home)
+    browser = chromium()
+    with trio.fail_after(120):
+        async with gateway.client() as client:
+            await client.post("/v1/chat/completions", json=chat_body(max_tokens=2))
+            page = await client.get("/ui")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert "http://" not in page.text and "https://" not in page.text  # offline: no external references
+        profile = tmp_path / "profile"
+        dom = await trio.run_process(
+            [browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--virtual-time-budget=8000", "--dump-dom",
+             f"{gateway.url}/ui"], capture_stdout=True, capture_stderr=True, check=False)
+        html = dom.stdout.decode()
+        assert 'data-loaded="yes"' in html, dom.stderr.decode()[-2000:]
+        for tab in ("Dashboard", "Models", "Engines", "Compute", "Benchmarks", "Jobs", "Sessions"):
+            assert f">{tab}</button>" in html
+        assert "smollm2:135m" in html and shared_engine.tag in html and "state-ready" in html
+        OUTPUT.mkdir(exist_ok=True)
+        shot = OUTPUT / "console-dashboard.png"
+        await trio.run_process([browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--virtual-time-budget=8000",
+                                f"--screenshot={shot}", f"{gateway.url}/ui#dashboard"], capture_stdout=True,
+                               capture_stderr=True, check=False)
+    assert shot.exists() and shot.stat().st_size > 10_000
