@@ -226,6 +226,10 @@ async def test_run_ps_and_stop_against_a_live_daemon(home: Paths, tmp_path, shar
             assert answer.stdout.strip() and "eval count:" in answer.stderr
             rows = [json.loads(line) for line in (await arun_cli("ps", "--json")).stdout.splitlines()]
             assert [(r["model"], r["state"]) for r in rows] == [("smollm2:135m", "ready")]
+            doctor = [json.loads(line) for line in (await arun_cli("doctor", "--json")).stdout.splitlines()]
+            runtime = {row["check"]: row for row in doctor if row["group"] == "RUNTIME"}
+            assert "smollm2:135m (ready" in runtime["residents"]["detail"]
+            assert runtime["latency"]["status"] == "ok" and runtime["daemon"]["status"] == "ok"
             stopped = await arun_cli("stop", "smollm2", "--json")
             assert json.loads(stopped.stdout) == {"status": "evicted", "model": "smollm2:135m"}
             assert (await arun_cli("ps", "--json")).stdout == ""

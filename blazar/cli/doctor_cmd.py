@@ -33,6 +33,7 @@ async def doctor(flat: bool, as_json: bool) -> None:
     for group in (system_checks, gpu_checks, engine_checks, model_checks, channel_checks):
         rows.extend(await trio.to_thread.run_sync(group, paths))
     rows.extend(await trio.to_thread.run_sync(runtime_checks, paths, lambda url: health.get(url)))
+    rows.extend(await _runtime_probe(paths))
     for group in GROUPS:
         members = [r for r in rows if r.group == group]
         if not as_json and not flat and members:
@@ -49,6 +50,40 @@ async def doctor(flat: bool, as_json: bool) -> None:
                     say(f"      fix: {row.fix}")
     if any(r.status == "fail" for r in rows):
         raise SystemExit(1)
+
+
+async def _runtime_probe(paths: Paths) -> list[Check]:
+    """RUNTIME checks that ask the running daemon itself: residents, breakers, latency, engine."""
+    from blazar.server import read_daemon_file
+
+    info = read_daemon_file(paths)
+    if info is None:
+        return []
+    rows: list[Check] = []
+    try:
+        async with httpx.AsyncClient(base_url=info["url"], timeout=5) as client:
+            residents = (await client.get("/api/ps")).json()["models"]
+            quantiles = (await client.get("/api/quantiles")).json()
+            manifest = (await client.get("/.well-known/blazar")).json()
+    except (httpx.HTTPError, ValueError, KeyError) as error:
+        return [Check(group="RUNTIME", check="api", status="fail", detail=f"the daemon's API did not answer: {error}",
+                      fix="restart it: blazar stop && blazar serve")]
+    broken = [r for r in residents if r.get("state") == "broken"]
+    live = [r for r in residents if r.get("state") != "broken"]
+    rows.append(Check(group="RUNTIME", check="residents", status="ok",
+                      detail=", ".join(f"{r['model']} ({r['state']}, ctx {r.get('context')}, pid {r.get('pid')})"
+                                       for r in live) or "no model loaded"))
+    for row in broken:
+        rows.append(Check(group="RUNTIME", check=f"breaker {row['model']}", status="fail",
+                          detail=(row.get("failure") or "").splitlines()[0], fix="blazar ps --reset"))
+    ttft = quantiles["ttft"]
+    rows.append(Check(group="RUNTIME", check="latency", status="ok" if ttft["count"] else "info",
+                      detail=f"TTFT p50 {ttft['p50_ms']} ms, p99 {ttft['p99_ms']} ms over {ttft['count']} requests"
+                      if ttft["count"] else "no generations measured since the daemon started"))
+    rows.append(Check(group="RUNTIME", check="engine", status="ok" if manifest["engine"].get("tag") else "warn",
+                      detail=f"daemon serves with {manifest['engine'].get('tag') or 'no engine'}; "
+                      f"{manifest['endpoint_count']} routes"))
+    return rows
 
 
 async def _probe_health_async(paths: Paths) -> dict[str, str | None]:
