@@ -132,6 +132,12 @@ async def test_the_least_recently_used_idle_model_is_evicted_at_the_cap(nursery,
         assert evictions[0]["model"] == "smollm2:135m" and "resident cap" in evictions[0]["detail"]
 
 
+async def until_resident(client, test) -> None:
+    """Poll /api/ps until `test(row)` holds: the next step must not race the machine's load."""
+    while not ((rows := await ps(client)) and test(rows[0])):  # noqa: ASYNC110 - polling the API a user sees
+        await trio.sleep(0.02)
+
+
 def one_slot(**extra):
     return {"models": {"smollm2:135m": ModelSettings(parallel=1)}, **extra}
 
@@ -156,9 +162,9 @@ async def test_high_priority_overtakes_low_in_a_saturated_queue(nursery, lane_ho
 
             async with trio.open_nursery() as requests:
                 requests.start_soon(_long_request, client, done, "blocker")
-                await trio.sleep(0.3)
+                await until_resident(client, lambda row: row["in_flight"] == 1)
                 requests.start_soon(tagged, "low", "LOW")
-                await trio.sleep(0.2)
+                await until_resident(client, lambda row: row["queued"] == 1)
                 requests.start_soon(tagged, "high", "High")
     assert done == [("blocker", 200), ("high", 200), ("low", 200)]
 
@@ -171,7 +177,7 @@ async def test_a_request_that_waits_too_long_gets_503_all_slots_busy(nursery, la
             await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))
             async with trio.open_nursery() as requests:
                 requests.start_soon(_long_request, client, done, "blocker")
-                await trio.sleep(0.3)
+                await until_resident(client, lambda row: row["in_flight"] == 1)
                 refused = await client.post("/v1/chat/completions", json=chat_body(max_tokens=4))
     assert refused.status_code == 503
     error = refused.json()["error"]
@@ -188,17 +194,19 @@ async def test_a_client_that_leaves_the_queue_frees_its_place_at_once(nursery, l
             await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))
             async with trio.open_nursery() as requests:
                 requests.start_soon(_long_request, client, done, "blocker")
-                await trio.sleep(0.3)
-                with trio.move_on_after(0.3):
-                    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as leaver:
-                        await leaver.post("/v1/chat/completions", json=chat_body(max_tokens=4))
-                queued = []
-                for _ in range(20):
-                    queued.append((await ps(client))[0]["queued"])
-                    if queued[-1] == 0:
-                        break
-                    await trio.sleep(0.02)
-                assert queued[-1] == 0
+                await until_resident(client, lambda row: row["in_flight"] == 1)
+                leaving = trio.CancelScope()
+
+                async def leaver():
+                    with leaving:
+                        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as other:
+                            await other.post("/v1/chat/completions", json=chat_body(max_tokens=4))
+
+                requests.start_soon(leaver)
+                await until_resident(client, lambda row: row["queued"] == 1)
+                leaving.cancel()  # the client hangs up while queued
+                with trio.fail_after(2):
+                    await until_resident(client, lambda row: row["queued"] == 0)
                 assert done == []  # the blocker is still running: the queue emptied because the client left
 
 
