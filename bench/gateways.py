@@ -1,0 +1,275 @@
+"""Direct llama-server vs Blazar vs the LiteLLM proxy, side by side in one run, on one SmolLM2 child.
+
+    .venv/bin/python bench/gateways.py [--requests 200] [--clients 256] [--write docs/benchmarks.md]
+
+LiteLLM (`litellm[proxy]` from PyPI) is installed into bench/.litellm-venv on first use and configured
+against the very llama-server child Blazar spawned, so all three share one engine. Reported per
+target: added latency of non-stream chat (max_tokens=1) at p50/p99, streaming TTFT and tokens/s
+ratio vs direct, 256 concurrent streaming clients (errors, gateway RSS), and Blazar's cold-spawn
+overhead over llama-server's own load time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from latency import BODY, free_port, percentile, prepare_home
+
+from blazar.engines import Roster
+from blazar.paths import Paths
+from blazar.store import Store
+
+HERE = Path(__file__).resolve().parent
+STREAM_BODY = {**BODY, "messages": [{"role": "user", "content": "Count from one to ten in words."}],
+               "max_tokens": 48, "stream": True, "ignore_eos": True}
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a gateway process and its own workers, MiB (engine children excluded)."""
+    total = 0
+    pids = [pid]
+    try:
+        children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+        pids += [int(p) for p in children]
+    except OSError:
+        pass
+    for one in pids:
+        try:
+            if b"llama-server" in Path(f"/proc/{one}/cmdline").read_bytes():
+                continue
+            for line in Path(f"/proc/{one}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 1024
+
+
+def wait_healthy(url: str, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"{url} did not come up")
+
+
+def litellm_binary() -> Path:
+    venv = HERE / ".litellm-venv"
+    binary = venv / "bin" / "litellm"
+    if not binary.exists():
+        print("installing litellm[proxy] into bench/.litellm-venv (once)", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "litellm[proxy]"], check=True)
+    return binary
+
+
+HEADERS: dict[str, dict[str, str]] = {}  # per target URL (LiteLLM needs its master key)
+LITELLM_KEY = "sk-blazar-bench-0123456789abcdef"
+
+
+def sequential(url: str, count: int) -> list[float]:
+    samples = []
+    with httpx.Client(timeout=60, headers=HEADERS.get(url, {})) as client:
+        for _ in range(count):
+            started = time.perf_counter()
+            client.post(url, json=BODY).raise_for_status()
+            samples.append((time.perf_counter() - started) * 1000)
+    return samples
+
+
+async def stream_once(client: httpx.AsyncClient, url: str) -> tuple[float, float, int]:
+    """(TTFT s, total s, content chunks)."""
+    started = time.perf_counter()
+    first = None
+    chunks = 0
+    async with client.stream("POST", url, json=STREAM_BODY, headers=HEADERS.get(url, {})) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and '"content":"' in line.replace(" ", ""):
+                chunks += 1
+                if first is None:
+                    first = time.perf_counter() - started
+    return first or 0.0, time.perf_counter() - started, chunks
+
+
+async def streaming(url: str, count: int) -> dict[str, float]:
+    ttfts, rates = [], []
+    async with httpx.AsyncClient(timeout=120) as client:
+        for _ in range(count):
+            ttft, total, chunks = await stream_once(client, url)
+            ttfts.append(ttft * 1000)
+            if total > ttft and chunks > 1:
+                rates.append((chunks - 1) / (total - ttft))
+    return {"ttft_p50": statistics.median(ttfts), "tokens_per_s": statistics.median(rates)}
+
+
+async def concurrent(url: str, clients: int) -> dict[str, float]:
+    errors = 0
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients + 8)) as client:
+        async def one() -> None:
+            nonlocal errors
+            try:
+                _, _, chunks = await stream_once(client, url)
+                if chunks == 0:
+                    errors += 1
+            except (httpx.HTTPError, OSError):
+                errors += 1
+
+        started = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for _ in range(clients):
+                nursery.start_soon(one)
+    return {"errors": errors, "seconds": time.perf_counter() - started}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--streams", type=int, default=20)
+    parser.add_argument("--clients", type=int, default=256)
+    parser.add_argument("--no-litellm", action="store_true")
+    parser.add_argument("--write", type=Path)
+    args = parser.parse_args()
+    source = Paths.from_env()
+    engine = Roster(source).require_active()
+    model_path = Store(source).blob_of(Store(source).get("smollm2:135m"))
+    workdir = Path(tempfile.mkdtemp(prefix="blazar-bench-"))
+    home = Paths(workdir / "home").ensure()
+    prepare_home(source, home)
+    processes: list[subprocess.Popen] = []
+
+    def start(argv: list[str], env: dict[str, str] | None = None, log: str = "log") -> subprocess.Popen:
+        with open(workdir / f"{log}.log", "wb") as out:
+            process = subprocess.Popen(argv, env=env, stdout=out, stderr=out, start_new_session=True)
+        processes.append(process)
+        return process
+
+    try:
+        # Cold spawn: llama-server's own load time first, then Blazar's request-to-first-token.
+        port = free_port()
+        started = time.perf_counter()
+        direct_child = start([engine.binary, "-m", str(model_path), "--port", str(port), "--ctx-size", "8192",
+                              "--parallel", "2", "--jinja"], log="direct")
+        wait_healthy(f"http://127.0.0.1:{port}/health")
+        with httpx.Client(timeout=60) as client:
+            client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=BODY).raise_for_status()
+        direct_cold = time.perf_counter() - started
+        os.killpg(direct_child.pid, signal.SIGTERM)
+        direct_child.wait()
+
+        gateway_port = free_port()
+        env = {**os.environ, "BLAZAR_HOME": str(home.home), "BLAZAR_LOG_LEVEL": "warning",
+               "BLAZAR_QUEUE_WAIT_SECS": "900"}
+        blazar = start([sys.executable, "-m", "blazar", "serve", "--bind", f"127.0.0.1:{gateway_port}"], env=env,
+                       log="blazar")
+        gateway = f"http://127.0.0.1:{gateway_port}"
+        wait_healthy(f"{gateway}/healthz")
+        started = time.perf_counter()
+        with httpx.Client(timeout=120) as client:
+            client.post(f"{gateway}/v1/chat/completions", json=BODY).raise_for_status()
+            blazar_cold = time.perf_counter() - started
+            child_port = client.get(f"{gateway}/api/ps").json()["models"][0]["port"]
+        urls = {"direct llama-server": f"http://127.0.0.1:{child_port}/v1/chat/completions",
+                "Blazar": f"{gateway}/v1/chat/completions"}
+        pids = {"Blazar": blazar.pid}
+        if not args.no_litellm:
+            config = workdir / "litellm.yaml"
+            config.write_text("model_list:\n  - model_name: smollm2:135m\n    litellm_params:\n"
+                              f"      model: openai/smollm2:135m\n      api_base: http://127.0.0.1:{child_port}/v1\n"
+                              "      api_key: none\n")
+            litellm_port = free_port()
+            proxy = start([str(litellm_binary()), "--config", str(config), "--port", str(litellm_port), "--host",
+                           "127.0.0.1", "--num_workers", "1"], log="litellm",
+                          env={**os.environ, "LITELLM_MASTER_KEY": LITELLM_KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "True"})
+            wait_healthy(f"http://127.0.0.1:{litellm_port}/health/liveliness", 180)
+            urls["LiteLLM proxy"] = f"http://127.0.0.1:{litellm_port}/v1/chat/completions"
+            HEADERS[urls["LiteLLM proxy"]] = {"authorization": f"Bearer {LITELLM_KEY}"}
+            pids["LiteLLM proxy"] = proxy.pid
+        for url in urls.values():  # warm every path
+            sequential(url, 10)
+        latency: dict[str, list[float]] = {name: [] for name in urls}
+        for _ in range(args.requests):  # interleaved: same load for every target
+            for name, url in urls.items():
+                latency[name].extend(sequential(url, 1))
+        stream = {name: trio.run(streaming, url, args.streams) for name, url in urls.items()}
+        crowd = {}
+        for name, url in urls.items():
+            if name == "direct llama-server":
+                continue
+            crowd[name] = trio.run(concurrent, url, args.clients)
+            crowd[name]["rss_mib"] = rss_mib(pids[name])
+    finally:
+        for process in processes:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    direct = latency["direct llama-server"]
+    d50, d99 = percentile(direct, 0.5), percentile(direct, 0.99)
+    lines = [f"Command: `.venv/bin/python bench/gateways.py --requests {args.requests} --clients {args.clients}`",
+             f"Machine: {platform.machine()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}; "
+             f"SmolLM2-135M Q4_1 on {engine.tag}; one llama-server child (2 slots) behind every target.", "",
+             "| target | non-stream p50 ms | p99 ms | added p50 | added p99 | stream TTFT p50 ms | tokens/s | "
+             "tokens/s vs direct | 256 clients: errors | gateway RSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in urls:
+        p50, p99 = percentile(latency[name], 0.5), percentile(latency[name], 0.99)
+        added = "" if name.startswith("direct") else f"{p50 - d50:.2f}"
+        added99 = "" if name.startswith("direct") else f"{p99 - d99:.2f}"
+        ratio = stream[name]["tokens_per_s"] / stream["direct llama-server"]["tokens_per_s"]
+        crowd_row = crowd.get(name)
+        errors = str(crowd_row["errors"]) if crowd_row else ""
+        rss = f"{crowd_row['rss_mib']:.0f}" if crowd_row else ""
+        lines.append(f"| {name} | {p50:.2f} | {p99:.2f} | {added} | {added99} | {stream[name]['ttft_p50']:.1f} | "
+                     f"{stream[name]['tokens_per_s']:.1f} | {ratio:.3f} | {errors} | {rss} |")
+    lines += ["", f"Cold spawn: llama-server alone took {direct_cold * 1000:.0f} ms from exec to its first answer; "
+              f"through Blazar (request → spawn → first answer) {blazar_cold * 1000:.0f} ms: "
+              f"{(blazar_cold - direct_cold) * 1000:.0f} ms added (target ≤ 50 ms)."]
+    if "LiteLLM proxy" in urls:
+        blazar_added = percentile(latency["Blazar"], 0.5) - d50
+        litellm_added = percentile(latency["LiteLLM proxy"], 0.5) - d50
+        lines.append(f"Added latency at p50: Blazar {blazar_added:.2f} ms vs LiteLLM {litellm_added:.2f} ms "
+                     f"({litellm_added / blazar_added:.1f}× lower; target ≥ 3×).")
+    report = "\n".join(lines)
+    print(report)
+    if args.write:
+        text = args.write.read_text()
+        start_tag, end_tag = "<!-- gateways:start -->", "<!-- gateways:end -->"
+        block = f"{start_tag}\n{report}\n{end_tag}"
+        if start_tag in text:
+            text = text[: text.index(start_tag)] + block + text[text.index(end_tag) + len(end_tag):]
+        else:
+            text = text.rstrip() + "\n\n## Direct vs Blazar vs LiteLLM, one run\n\n" + block + "\n"
+        args.write.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
