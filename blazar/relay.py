@@ -79,6 +79,9 @@ async def forward(services: Any, model: str, upstream: UpstreamCall, headers: An
     try:
         handle = await services.lane.ensure(model, num_ctx)
     except ActorError as error:
+        if error.err.status in (503, 507) and services.obs is not None:
+            services.obs.event("refused", model, status=error.err.status, code=error.err.code,
+                               message=error.err.message, fix=error.err.hint)
         raise Refusal.from_err(error.err) from None
     except ActorUnavailable as error:
         raise Refusal(503, f"the text lane did not answer: {error}", hint="retry in a moment") from None
@@ -95,6 +98,9 @@ async def forward(services: Any, model: str, upstream: UpstreamCall, headers: An
             reply=reply, ticket=ticket, call=upstream, due=plan.due, expire_at=plan.expire_at,
             keep_alive=keep_alive), within=REQUEST_CALL_LIMIT_SECS)
     except ActorError as error:
+        if error.err.status in (503, 507) and services.obs is not None:
+            services.obs.event("refused", handle.key, status=error.err.status, code=error.err.code,
+                               message=error.err.message, fix=error.err.hint)
         raise Refusal.from_err(error.err) from None
     except ActorUnavailable as error:
         raise Refusal(502, f"{handle.key}'s instance stopped answering: {error}") from None

@@ -100,3 +100,19 @@ async def test_capacity_fabric_and_benchmarks_on_a_cpu_host(live):
     assert [e["active"] for e in fabric["engines"]] == [True]
     assert benchmarks == [{"model": "smollm2:135m", "engine": "b1-cpu", "measured_at": 1.0, "pp_tps": 300.0,
                            "tg_tps": 100.0, "source": "blazar bench"}]
+
+
+async def test_watch_tails_admission_refusals(nursery, home: Paths, shared_home: Paths, shared_engine):
+    register_engine(home, shared_engine.binary, shared_engine.tag)
+    add_shared_model(home, shared_home)
+    gateway = await start_gateway(nursery, home, spawn_mem_floor_mib=10**8)
+    seen = []
+    with trio.fail_after(60):
+        async with gateway.client() as client, gateway.client() as listener, trio.open_nursery() as inner, \
+                listener.stream("GET", "/api/watch") as stream:
+            inner.start_soon(lambda: client.post("/v1/chat/completions", json=chat_body(max_tokens=1)))
+            async for line in stream.aiter_lines():
+                if line.startswith("data: "):
+                    seen.append(json.loads(line[6:]))
+                    break
+    assert seen[0]["type"] == "refused" and seen[0]["status"] == 507 and "spawn_mem_floor_mib" in seen[0]["fix"]

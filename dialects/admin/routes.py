@@ -46,13 +46,12 @@ async def quantiles():
     return _json(current_app.services.obs.quantiles())
 
 
-@blueprint.get("/api/events")
-async def events():
+def _event_stream(kinds: set[str] | None, greeting: bytes) -> Response:
     obs = current_app.services.obs
     receive = obs.subscribe()
 
     async def stream() -> AsyncIterator[bytes]:
-        yield b": connected to blazar events\n\n"
+        yield greeting
         with receive:
             while True:
                 event = None
@@ -61,11 +60,24 @@ async def events():
                 if event is None:
                     yield b": keep-alive\n\n"
                     continue
-                yield b"event: " + event["type"].encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
+                if kinds is None or event["type"] in kinds:
+                    yield b"event: " + event["type"].encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
 
     response = Response(stream(), content_type="text/event-stream", headers={"cache-control": "no-cache"})
     response.timeout = None
     return response
+
+
+@blueprint.get("/api/events")
+async def events():
+    """Every lifecycle event: spawn, evict, crash, refused (admission 503/507)."""
+    return _event_stream(None, b": connected to blazar events\n\n")
+
+
+@blueprint.get("/api/watch")
+async def watch():
+    """The live tail of what needs attention: crashes and admission refusals (each with its fix)."""
+    return _event_stream({"crash", "refused"}, b": watching for crashes and refusals\n\n")
 
 
 @blueprint.get("/api/explain/<path:model>")
