@@ -55,7 +55,8 @@ async def _installed_or_pull(model: str) -> str:
 
 async def _chat(client: httpx.AsyncClient, url: str, model: str, messages: list[dict[str, Any]],
                 max_tokens: int | None, verbose: bool) -> str:
-    body: dict[str, Any] = {"model": model, "messages": messages, "stream": True,
+    # Ollama's default repeat penalty: without it small models (SmolLM2) loop until the context fills.
+    body: dict[str, Any] = {"model": model, "messages": messages, "stream": True, "repeat_penalty": 1.1,
                             "stream_options": {"include_usage": True}}
     if max_tokens:
         body["max_tokens"] = max_tokens
