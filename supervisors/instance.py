@@ -225,6 +225,7 @@ class Instance:
         self.crashed = False
         self.serial = next(_serials)
         self._reported_state: State | None = None
+        self.running: dict[int, trio.CancelScope] = {}  # ticket -> its upstream request, while in flight
         self._seq = itertools.count()
         self.mailbox: trio.MemorySendChannel | None = None
         self.client: httpx.AsyncClient | None = None
@@ -315,6 +316,9 @@ class Instance:
                 self._submit(message)
             case Withdraw(ticket=ticket):
                 self._remove_waiter(ticket)
+                scope = self.running.get(ticket)
+                if scope is not None:
+                    scope.cancel()  # the client left mid-request: close the upstream so the engine stops
                 self._report()
             case _Finished():
                 self.in_flight -= 1
@@ -524,6 +528,14 @@ class Instance:
     # ------------------------------------------------------------ one request
 
     async def _serve(self, waiter: _Waiter, queued_secs: float) -> None:
+        with trio.CancelScope() as scope:
+            self.running[waiter.ticket] = scope
+            try:
+                await self._exchange(waiter, queued_secs)
+            finally:
+                self.running.pop(waiter.ticket, None)
+
+    async def _exchange(self, waiter: _Waiter, queued_secs: float) -> None:
         call = waiter.call
         url = f"http://127.0.0.1:{self.port}{call.path}"
         headers = {"content-type": call.content_type}

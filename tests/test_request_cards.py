@@ -143,3 +143,23 @@ async def test_the_memory_floor_refuses_a_spawn_with_507(nursery, lane_home):
             message = response.json()["error"]["message"]
             assert "MemAvailable" in message and "spawn_mem_floor_mib 0" in message
             assert await ps(client) == []
+
+
+async def test_a_buffered_client_that_hangs_up_frees_its_slot(nursery, lane_home):
+    """The gateway drops the request and closes its upstream connection at once. (llama-server
+    b11434 still finishes a buffered answer it started: it only notices closed connections on
+    streams, which the cancel/interrupt test above shows stopping.)"""
+    gateway = await start_gateway(nursery, lane_home)
+    with trio.fail_after(60):
+        async with gateway.client() as client:
+            await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))
+            with trio.move_on_after(0.5):
+                async with gateway.client() as impatient:
+                    await impatient.post("/v1/chat/completions", json=chat_body(**LONG))
+            for _ in range(20):
+                if (await ps(client))[0]["in_flight"] == 0:
+                    break
+                await trio.sleep(0.02)
+            assert (await ps(client))[0]["in_flight"] == 0
+            states = [c["state"] for c in (await client.get("/v1/requests")).json()["data"]]
+            assert "disconnected" in states
