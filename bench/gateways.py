@@ -29,7 +29,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from latency import BODY, free_port, percentile, prepare_home
+from latency import BODY, free_port, percentile, prepare_home, write_section
 
 from blazar.engines import Roster
 from blazar.paths import Paths
@@ -260,14 +260,7 @@ def main() -> int:
     report = "\n".join(lines)
     print(report)
     if args.write:
-        text = args.write.read_text()
-        start_tag, end_tag = "<!-- gateways:start -->", "<!-- gateways:end -->"
-        block = f"{start_tag}\n{report}\n{end_tag}"
-        if start_tag in text:
-            text = text[: text.index(start_tag)] + block + text[text.index(end_tag) + len(end_tag):]
-        else:
-            text = text.rstrip() + "\n\n## Direct vs Blazar vs LiteLLM, one run\n\n" + block + "\n"
-        args.write.write_text(text)
+        write_section(args.write, "gateways", "Direct vs Blazar vs LiteLLM, one run", report)
     return 0
 
 

@@ -37,6 +37,18 @@ BODY = {"model": "smollm2:135m", "messages": [{"role": "user", "content": "Say y
         "temperature": 0}
 
 
+def write_section(path: Path, tag: str, title: str, report: str) -> None:
+    """Replace the `<!-- tag:start -->…<!-- tag:end -->` block of a markdown file (append it the first time)."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    start, end = f"<!-- {tag}:start -->", f"<!-- {tag}:end -->"
+    block = f"{start}\n{report}\n{end}"
+    if start in text:
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + f"\n\n## {title}\n\n" + block + "\n"
+    path.write_text(text)
+
+
 def percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(fraction * (len(ordered) - 1))))
@@ -137,14 +149,7 @@ def main() -> int:
     report = "\n".join(lines)
     print(report)
     if args.write:
-        text = args.write.read_text() if args.write.exists() else "# Benchmarks\n"
-        start, end = "<!-- latency:start -->", "<!-- latency:end -->"
-        block = f"{start}\n{report}\n{end}"
-        if start in text:
-            text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
-        else:
-            text = text.rstrip() + "\n\n## Added latency, non-stream chat (max_tokens=1)\n\n" + block + "\n"
-        args.write.write_text(text)
+        write_section(args.write, "latency", "Added latency, non-stream chat (max_tokens=1)", report)
     print(json.dumps({"added_p50_ms": added_p50, "added_p99_ms": added_p99}), file=sys.stderr)
     return 0
 
