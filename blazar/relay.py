@@ -52,6 +52,17 @@ class Refusal(Exception):
                         content_type="application/json")
 
 
+def refuse(error: Exception) -> Response:
+    """Any teaching refusal (Refusal, RequestError, StoreError) in the error shape of the current path's
+    dialect: one renderer for every route."""
+    from quart import request
+
+    if not isinstance(error, Refusal):
+        error = Refusal(getattr(error, "status", 400), getattr(error, "message", str(error)),
+                        hint=getattr(error, "fix", ""))
+    return error.response(request.path)
+
+
 def _tag_model(model: str) -> None:
     """Name the model in the ASGI scope, for the request metrics the middleware records."""
     from quart import has_request_context, request

@@ -31,7 +31,7 @@ from hypercorn.utils import wrap_app
 
 from blazar import __version__
 from blazar.app import Services, create_app
-from blazar.config import Config, ConfigFile, parse_bind
+from blazar.config import Config, parse_bind
 from blazar.engines import Roster, sweep_orphans
 from blazar.middleware import build_stack
 from blazar.observability import Observability
@@ -95,9 +95,7 @@ async def run_gateway(
         log.warning("stopped %d engine child(ren) left by a previous daemon: pids %s", len(orphans), orphans)
     async with trio.open_nursery() as root:
         ledger = LedgerClient(await root.start(partial(supervise, lambda: LedgerActor(paths.ledger))))
-        config_file = ConfigFile(paths.config)
-        registry = RegistryClient(
-            await root.start(partial(supervise, lambda: RegistryActor(config_file, config))))
+        registry = RegistryClient(await root.start(partial(supervise, lambda: RegistryActor(paths))))
         obs = Observability()
         lane = LaneClient(await root.start(partial(
             supervise, lambda: TextLane(paths, config, ledger=ledger, obs=obs), mailbox_size=1024)))

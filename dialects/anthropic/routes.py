@@ -8,8 +8,7 @@ from typing import Any
 import msgspec
 from quart import Blueprint, Response, current_app, request
 
-from blazar.errors import ANTHROPIC, error_body
-from blazar.relay import Refusal
+from blazar.relay import Refusal, refuse
 from dialects.chat_core import StreamBroken, run_chat
 from dialects.openai.routes import count_input_tokens
 from dialects.openai.translate import RequestError, decode_object
@@ -17,17 +16,6 @@ from dialects.openai.translate import RequestError, decode_object
 from . import translate as t
 
 blueprint = Blueprint("anthropic", __name__)
-
-
-def _error(status: int, message: str) -> Response:
-    return Response(msgspec.json.encode(error_body(ANTHROPIC, status, message)), status=status,
-                    content_type="application/json")
-
-
-def _refuse(error: Exception) -> Response:
-    if isinstance(error, Refusal):
-        return _error(error.status, f"{error.message} (fix: {error.hint})" if error.hint else error.message)
-    return _error(400, getattr(error, "message", str(error)))
 
 
 async def _body() -> dict[str, Any]:
@@ -44,7 +32,7 @@ async def messages():
         canonical = t.to_openai(body)
         result = await run_chat(current_app.services, canonical, request.headers)
     except (RequestError, Refusal) as error:
-        return _refuse(error)
+        return refuse(error)
     model = canonical["model"]
     if result.payload is not None:
         return Response(msgspec.json.encode(t.from_openai(result.payload, model, body.get("stop_sequences"))),
@@ -141,5 +129,5 @@ async def count_tokens():
                                                           else {})}
         count = await count_input_tokens(current_app.services, canonical["model"], template, request.headers)
     except (RequestError, Refusal) as error:
-        return _refuse(error)
+        return refuse(error)
     return Response(msgspec.json.encode({"input_tokens": count}), content_type="application/json")

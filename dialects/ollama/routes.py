@@ -12,7 +12,7 @@ from quart import Blueprint, Response, current_app, request
 
 from blazar import __version__
 from blazar.config import ConfigError, parse_duration
-from blazar.relay import Refusal, forward
+from blazar.relay import Refusal, forward, refuse
 from dialects.chat_core import StreamBroken, ToolCallAccumulator, run_chat
 from dialects.openai.translate import RequestError, decode_object
 from supervisors.actor import ActorError
@@ -28,13 +28,7 @@ def _json(payload: Any, status: int = 200) -> Response:
 
 
 def _error(status: int, message: str) -> Response:
-    return _json({"error": message}, status)
-
-
-def _refuse(error: Exception) -> Response:
-    if isinstance(error, Refusal):
-        return _error(error.status, f"{error.message} (fix: {error.hint})" if error.hint else error.message)
-    return _error(400, str(getattr(error, "message", error)))
+    return refuse(Refusal(status, message))
 
 
 async def _body() -> dict[str, Any]:
@@ -56,6 +50,7 @@ def _keep_alive(body: dict[str, Any]) -> float | None:
 
 
 def _store():
+    """For reads inside worker threads only (Store creates folders); changes go through the registry."""
     from blazar.store import Store
 
     return Store(current_app.services.paths)
@@ -92,13 +87,13 @@ async def show():
         body = await _body()
         name = t.require_model(body)
     except (RequestError, Refusal) as error:
-        return _refuse(error)
+        return refuse(error)
     from blazar.store import StoreError
 
     try:
-        manifest = await trio.to_thread.run_sync(_store().resolved, name)
+        manifest = await trio.to_thread.run_sync(lambda: _store().resolved(name))
     except StoreError as error:
-        return _error(error.status, f"{error.message} (fix: {error.fix})")
+        return refuse(error)
     info = manifest.info or {}
     capabilities = ["completion"] + (["vision"] if manifest.mmproj else [])
     parameters = "\n".join(f"{k} {v}" for k, v in manifest.overlay.items())
@@ -117,42 +112,28 @@ async def show():
 @blueprint.delete("/api/delete")
 @blueprint.post("/api/delete")
 async def delete():
-    from blazar.engines import live_children
-    from blazar.store import StoreError
-
     try:
         body = await _body()
-        name = t.require_model(body)
+        await current_app.services.registry.delete_model(t.require_model(body))
     except (RequestError, Refusal) as error:
-        return _refuse(error)
-
-    def remove() -> list[str]:
-        running = {c.get("model", "") for c in live_children(current_app.services.paths)}
-        return _store().remove([name], running=running)
-
-    try:
-        await trio.to_thread.run_sync(remove)
-    except StoreError as error:
-        status = 404 if error.status == 404 else error.status
-        return _error(status, f"{error.message} (fix: {error.fix})")
+        return refuse(error)
+    except ActorError as error:
+        return refuse(Refusal.from_err(error.err))
     return Response(b"", status=200)
 
 
 @blueprint.post("/api/copy")
 async def copy():
-    from blazar.store import StoreError
-
     try:
         body = await _body()
         source, destination = body.get("source"), body.get("destination")
         if not isinstance(source, str) or not isinstance(destination, str):
             raise RequestError("`source` and `destination` are required model names")
+        await current_app.services.registry.copy_model(source, destination)
     except (RequestError, Refusal) as error:
-        return _refuse(error)
-    try:
-        await trio.to_thread.run_sync(_store().copy, source, destination)
-    except StoreError as error:
-        return _error(error.status, f"{error.message} (fix: {error.fix})")
+        return refuse(error)
+    except ActorError as error:
+        return refuse(Refusal.from_err(error.err))
     return Response(b"", status=200)
 
 
@@ -173,67 +154,33 @@ async def ps():
 
 @blueprint.post("/api/pull")
 async def pull():
-    from blazar import pull as puller
-    from blazar.store import StoreError
-
+    """A mailbox: the registry actor runs the pull; this route relays its progress."""
     try:
         body = await _body()
-        target = t.require_model(body)
+        events = await current_app.services.registry.pull_model(t.require_model(body))
     except (RequestError, Refusal) as error:
-        return _refuse(error)
-    store = _store()
-    send, receive = trio.open_memory_channel[dict[str, Any]](256)
-    token = trio.lowlevel.current_trio_token()
-
-    def progress(status: str, completed: int, total: int | None) -> None:
-        event = {"status": "downloading" if status in ("downloading", "resuming", "extracting") else status,
-                 "completed": completed, "total": total}
-        trio.from_thread.run_sync(send.send_nowait, event, trio_token=token)
-
-    async def work(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        with send:
-            task_status.started()
-            await send.send({"status": "pulling manifest"})
-            try:
-                manifest, _ = await trio.to_thread.run_sync(lambda: puller.pull(
-                    store, target, progress=_safe(progress), notes=lambda text: None))
-            except StoreError as error:
-                await send.send({"error": f"{error.message} (fix: {error.fix})", "_status": error.status})
-                return
-            await send.send({"status": "verifying sha256 digest", "digest": f"sha256:{manifest.blob}"})
-            await send.send({"status": "writing manifest"})
-            await send.send({"status": "success"})
+        return refuse(error)
+    except ActorError as error:
+        return refuse(Refusal.from_err(error.err))
 
     if body.get("stream", True) is False:
-        events = []
-        async with trio.open_nursery() as nursery:
-            await nursery.start(work)
-            async for event in receive:
-                events.append(event)
-        last = events[-1]
+        last: dict[str, Any] = {}
+        with events:
+            async for event in events:
+                last = event
         if "error" in last:
-            return _error(last.pop("_status", 500), last["error"])
+            return _error(last["status_code"], last["error"])
         return _json({"status": "success"})
 
     async def lines() -> AsyncIterator[bytes]:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(work)
-            async for event in receive:
-                event.pop("_status", None)
+        with events:
+            async for event in events:
+                event.pop("status_code", None)
                 yield msgspec.json.encode(event) + b"\n"
 
     response = Response(lines(), content_type="application/x-ndjson")
     response.timeout = None
     return response
-
-
-def _safe(progress):
-    def call(status: str, completed: int, total: int | None) -> None:
-        try:
-            progress(status, completed, total)
-        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError, RuntimeError):
-            pass  # a slow reader misses a progress line, never the result
-    return call
 
 
 async def _chat_like(kind: str):
@@ -255,7 +202,7 @@ async def _chat_like(kind: str):
         else:
             result = await run_chat(services, canonical, request.headers, keep_alive=keep_alive, num_ctx=num_ctx)
     except (RequestError, Refusal) as error:
-        return _refuse(error)
+        return refuse(error)
     model = canonical["model"]
     if result.payload is not None:
         return _json(_render(kind, model, result.payload, started, final=True), 200)
@@ -371,7 +318,7 @@ async def _load_or_unload(body: dict[str, Any], model: str) -> Response:
             await forward(services, model, UpstreamCall(method="GET", path="/health"), request.headers,
                           keep_alive=keep_alive)
         except Refusal as error:
-            return _refuse(error)
+            return refuse(error)
         payload = {"model": model, "created_at": t.now_rfc3339(), "done": True, "done_reason": "load"}
     payload[kind] = {"role": "assistant", "content": ""} if kind == "message" else ""
     return _json(payload)
@@ -403,7 +350,7 @@ async def _embed(legacy: bool):
         reply = await forward(services, model, UpstreamCall(path="/v1/embeddings", body=msgspec.json.encode(
             {"model": model, "input": inputs})), request.headers, keep_alive=_keep_alive(body), num_ctx=num_ctx)
     except (RequestError, Refusal) as error:
-        return _refuse(error)
+        return refuse(error)
     if reply.status >= 400:
         from lanes.llamacpp import engine_error_text
 
@@ -434,5 +381,5 @@ async def rerank():
         reply = await forward(current_app.services, model, UpstreamCall(
             path="/v1/rerank", body=msgspec.json.encode(body)), request.headers)
     except (RequestError, Refusal) as error:
-        return _refuse(error)
+        return refuse(error)
     return Response(reply.body, status=reply.status if reply.status < 500 else 502, content_type="application/json")

@@ -8,7 +8,7 @@ import msgspec
 import trio
 from quart import Blueprint, Response, current_app, request
 
-from blazar.relay import Refusal, engine_failure, follow_or_lead, forward, json_reply, sse_response, tracked
+from blazar.relay import Refusal, engine_failure, follow_or_lead, forward, json_reply, refuse, sse_response, tracked
 from dialects.chat_core import forced_tool, run_chat
 from supervisors.instance import UpstreamCall, UpstreamReply
 
@@ -39,12 +39,6 @@ async def _body() -> dict[str, Any]:
         return decode_object(await request.get_data())
     except RequestError as error:
         raise Refusal(400, error.message) from None
-
-
-def _refuse(error: RequestError | Refusal) -> Response:
-    if isinstance(error, RequestError):
-        error = Refusal(error.status, error.message)
-    return error.response(request.path)
 
 
 def interrupt_frame(card_id: str) -> bytes:
@@ -79,7 +73,7 @@ async def chat_completions():
         if forced_tool(body) is not None:
             return await _enforced_tool_call(body)
     except (RequestError, Refusal) as error:
-        return _refuse(error)
+        return refuse(error)
     flight_key = None if stream else f"{model}\0{request.headers.get('x-blazar-num-ctx', '')}\0{encoded.decode()}"
     control = await services.requests.open(trace_id=request.scope.get("blazar.trace_id", ""), model=model,
                                            route=request.path, stream=stream, flight_key=flight_key)
@@ -116,7 +110,7 @@ async def chat_completions():
             state = "cancelled" if isinstance(error, Refusal) and error.status == 499 else "failed"
             if isinstance(error, Refusal) and error.status != 499:
                 outcome = error
-            return _refuse(error)
+            return refuse(error)
         except BaseException:
             state = "disconnected"
             raise
@@ -128,13 +122,13 @@ async def chat_completions():
         result = await tracked(services, control, lambda: forward(services, model, upstream, request.headers))
     except (RequestError, Refusal) as error:
         await services.requests.close(control.id, "failed")
-        return _refuse(error)
+        return refuse(error)
     if isinstance(result, UpstreamReply):
         await services.requests.close(control.id, "failed" if result.status >= 400 else "done")
         try:
             return json_reply(result, strip_think_buffered if strip else None, headers)
         except Refusal as error:
-            return _refuse(error)
+            return refuse(error)
     rewriter = ChatStreamRewriter(strip_think=strip)
     services.requests.update(control.id, state="running", queue_ms=round(result.queued_secs * 1000, 1))
     reported = 0
@@ -184,7 +178,7 @@ async def update_completion(completion_id: str):
         body = await _body()
         metadata = check_metadata(body, required=True)
     except (RequestError, Refusal) as error:
-        return _refuse(error)
+        return refuse(error)
     from supervisors.actor import ActorError
 
     try:
@@ -194,7 +188,7 @@ async def update_completion(completion_id: str):
     return Response(msgspec.json.encode(card), content_type="application/json")
 
 
-async def _passthrough(path: str, *, needs_model: bool = True, stream_ok: bool = True):
+async def _passthrough(path: str, *, stream_ok: bool = True):
     try:
         body = await _body()
         model = require_model(body)
@@ -208,7 +202,7 @@ async def _passthrough(path: str, *, needs_model: bool = True, stream_ok: bool =
         rewriter = ChatStreamRewriter(strip_think=False)
         return sse_response(result, rewriter.feed, openai_error_frame)
     except (RequestError, Refusal) as error:
-        return _refuse(error)
+        return refuse(error)
 
 
 @blueprint.post("/v1/completions")
@@ -236,7 +230,7 @@ async def chat_input_tokens():
         return await _count_tokens(model, {"messages": body["messages"], **(
             {"tools": body["tools"]} if "tools" in body else {})})
     except (RequestError, Refusal) as error:
-        return _refuse(error)
+        return refuse(error)
 
 
 @blueprint.post("/v1/responses/input_tokens")
@@ -257,7 +251,7 @@ async def responses_input_tokens():
             messages.insert(0, {"role": "system", "content": body["instructions"]})
         return await _count_tokens(model, {"messages": messages})
     except (RequestError, Refusal) as error:
-        return _refuse(error)
+        return refuse(error)
 
 
 async def count_input_tokens(services: Any, model: str, template_body: dict[str, Any], headers: Any) -> int:
