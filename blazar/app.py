@@ -14,7 +14,6 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
-from blazar import __version__
 from blazar.config import Config
 from blazar.errors import error_bytes
 from blazar.middleware import TraceIds, test_hooks_enabled
@@ -124,6 +123,3 @@ def create_app(services: Services) -> BlazarApp:
 
     return app
 
-
-def version() -> str:
-    return __version__

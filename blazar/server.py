@@ -177,12 +177,12 @@ async def run_daemon(paths: Paths, config: Config) -> int:
                 nursery.cancel_scope.cancel()  # drained and stopped: the signal watcher goes too
 
             await nursery.start(gateway_then_stop)
-            _write_daemon_file(paths, config.bind, port)
+            await trio.to_thread.run_sync(_write_daemon_file, paths, config.bind, port)
             host, _ = parse_bind(config.bind)
             print(f"blazar {__version__} listening on http://{host}:{port} (home {paths.home})",
                   file=sys.stderr, flush=True)
     finally:
         sock.close()
-        paths.daemon_file.unlink(missing_ok=True)
+        await trio.to_thread.run_sync(lambda: paths.daemon_file.unlink(missing_ok=True))
     print("blazar stopped", file=sys.stderr, flush=True)
     return 0

@@ -40,7 +40,6 @@ class ChatResult:
     payload: dict[str, Any] | None = None
     chunks: AsyncIterator[dict[str, Any]] | None = None
     headers: dict[str, str] = field(default_factory=dict)
-    enforced_tools: bool = False
 
 
 def forced_tool(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -154,8 +153,8 @@ async def run_chat(services: Any, body: dict[str, Any], headers: Any, *, keep_al
         payload = tool_call_payload(msgspec.json.decode(reply.body))
         result_headers = {"x-blazar-structured-output": "json_schema", "x-blazar-tool-enforcement": "grammar"}
         if stream:
-            return ChatResult(chunks=tool_call_chunks(payload), headers=result_headers, enforced_tools=True)
-        return ChatResult(payload=payload, headers=result_headers, enforced_tools=True)
+            return ChatResult(chunks=tool_call_chunks(payload), headers=result_headers)
+        return ChatResult(payload=payload, headers=result_headers)
     if stream:
         body = {**body, "stream_options": {"include_usage": True, **(body.get("stream_options") or {})}}
     result = await forward(services, model, UpstreamCall(path="/v1/chat/completions", body=msgspec.json.encode(body),

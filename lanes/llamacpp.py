@@ -11,9 +11,8 @@ Pure functions: no trio state. Facts about this engine (measured on b11434):
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 HEALTH_PATH = "/health"
 DEFAULT_CONTEXT = 4096
@@ -39,7 +38,6 @@ class SpawnPlan:
     extra_flags: tuple[str, ...] = ()
     context_source: str = "default"
     size_bytes: int = 0
-    sampling: dict[str, Any] = field(default_factory=dict)
 
     def argv(self, port: int) -> list[str]:
         command = [

@@ -136,8 +136,6 @@ class InstanceEvent(Envelope, frozen=True, tag="instance_event"):
 
     key: str = ""
     state: str = ""
-    in_flight: int = 0
-    queued: int = 0
     last_used: float = 0.0
     detail: str = ""
     crashed: bool = False
@@ -411,8 +409,7 @@ class Instance:
         if self.state == self._reported_state:
             return
         self._reported_state = self.state
-        tell(self.lane, InstanceEvent(key=self.key, state=self.state, in_flight=self.in_flight,
-                                      queued=len(self.waiting), last_used=self.last_used, detail=self.failure,
+        tell(self.lane, InstanceEvent(key=self.key, state=self.state, last_used=self.last_used, detail=self.failure,
                                       serial=self.serial))
 
     def describe(self) -> dict[str, Any]:
@@ -450,7 +447,7 @@ class Instance:
         except OSError as error:
             tell(self.mailbox, _SpawnFailed(reason=f"could not start {argv[0]}: {error}"))
             return
-        self._write_pidfile()
+        await trio.to_thread.run_sync(self._write_pidfile)
         self.nursery.start_soon(self._drain_output)
         self.nursery.start_soon(self._watch_exit)
         deadline = trio.current_time() + self.spawn_timeout
@@ -506,7 +503,7 @@ class Instance:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
         await process.wait()
-        self._remove_pidfile()
+        await trio.to_thread.run_sync(self._remove_pidfile)
 
     def _pidfile(self):
         from pathlib import Path

@@ -22,7 +22,6 @@ from .actor import Envelope, Err, MessageLoop, Ok, Reply, call, tell
 TERMINAL_RING = 512
 PARTIAL_LIMIT = 64 * 1024
 COMPLETION_CARDS = 4096
-TERMINAL_STATES = ("done", "cancelled", "interrupted", "disconnected", "failed")
 
 
 @dataclass
@@ -80,14 +79,6 @@ class UpdateCompletion(Envelope, frozen=True, tag="update_completion"):
     id: str = ""
     metadata: dict = {}
 
-
-class Join(Envelope, frozen=True, tag="join"):
-    key: str = ""
-
-
-class Publish(Envelope, frozen=True, tag="publish"):
-    key: str = ""
-    result: Any = None
 
 
 class RequestRegistry(MessageLoop):
@@ -172,11 +163,6 @@ class RequestRegistry(MessageLoop):
                 card["metadata"] = metadata
                 self.completions.move_to_end(card_id)
                 return Ok(dict(card))
-            case Join(key=key):
-                return Ok(self._join(key))
-            case Publish(key=key, result=result):
-                self._publish(key, result)
-                return None
         return Err("unknown_op", f"request registry does not understand {type(message).__name__}")
 
     def _join(self, key: str) -> trio.MemoryReceiveChannel | None:
@@ -230,9 +216,3 @@ class RequestsClient:
     async def update_completion(self, card_id: str, metadata: dict[str, str]) -> dict[str, Any]:
         return await call(self.mailbox, lambda r: UpdateCompletion(reply=r, id=card_id, metadata=metadata))
 
-    async def join(self, key: str) -> trio.MemoryReceiveChannel | None:
-        return await call(self.mailbox, lambda r: Join(reply=r, key=key))
-
-    async def publish(self, key: str, result: Any) -> None:
-        with trio.CancelScope(shield=True), trio.move_on_after(1):
-            await self.mailbox.send(Publish(key=key, result=result))

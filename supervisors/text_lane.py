@@ -68,8 +68,6 @@ class Resident:
     mailbox: trio.MemorySendChannel
     plan: SpawnPlan
     state: str = State.STARTING
-    in_flight: int = 0
-    queued: int = 0
     last_used: float = 0.0
 
 
@@ -173,7 +171,8 @@ class TextLane(MessageLoop):
         if isinstance(room, Err):
             return room
         if not room:  # with evictions under way, MemAvailable is about to grow: judge after they finish
-            floor = self._memory_floor(plan)
+            available = (await trio.to_thread.run_sync(meminfo)).get("MemAvailable")
+            floor = self._memory_floor(plan, available)
             if floor is not None:
                 return floor
         return Ok(await self._start(plan, room))
@@ -234,11 +233,10 @@ class TextLane(MessageLoop):
             mmproj=store.blob_path(manifest.mmproj) if manifest.mmproj else None,
             extra_flags=tuple(flags), size_bytes=manifest.size)
 
-    def _memory_floor(self, plan: SpawnPlan) -> Err | None:
+    def _memory_floor(self, plan: SpawnPlan, available: int | None) -> Err | None:
         floor = self.config.spawn_mem_floor_mib * 1024 * 1024
         if floor <= 0:
             return None
-        available = meminfo().get("MemAvailable")
         if available is None or available >= plan.size_bytes + floor:
             return None
         return Err("insufficient_memory",
@@ -263,7 +261,7 @@ class TextLane(MessageLoop):
 
         gone: list[trio.Event] = []
         while crowded():
-            idle = [r for r in live if r.state == State.READY and r.in_flight == 0 and r.queued == 0]
+            idle = [r for r in live if r.state == State.READY]  # ready means nothing in flight or queued
             if not idle:
                 return Err("all_models_busy",
                            f"{len(live)} resident models fill max_resident_models/ram_budget_mib and every one is busy",
@@ -303,8 +301,6 @@ class TextLane(MessageLoop):
             if resident is None:
                 return
         resident.state = event.state
-        resident.in_flight = event.in_flight
-        resident.queued = event.queued
         resident.last_used = event.last_used
         if event.state == State.STOPPED:
             self.draining.pop(event.serial, None)
@@ -338,7 +334,7 @@ class TextLane(MessageLoop):
         for resident in [*self.residents.values(), *self.draining.values()]:
             instance = resident.instance
             view = instance.describe()
-            if resident.state == State.READY and resident.in_flight == 0:
+            if resident.state == State.READY:
                 view["idle_expires_in_secs"] = None if instance.keep_alive == float("inf") else \
                     round(max(0.0, resident.last_used + instance.keep_alive - now), 1)
             rows.append(view)
