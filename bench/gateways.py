@@ -29,7 +29,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from latency import BODY, free_port, percentile, prepare_home, write_section
+from latency import BODY, free_port, percentile, prepare_home, wait_healthy, write_section
 
 from blazar.engines import Roster
 from blazar.paths import Paths
@@ -59,18 +59,6 @@ def rss_mib(pid: int) -> float:
         except OSError:
             pass
     return total / 1024
-
-
-def wait_healthy(url: str, seconds: float = 120) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{url} did not come up")
 
 
 def litellm_binary() -> Path:

@@ -37,6 +37,18 @@ BODY = {"model": "smollm2:135m", "messages": [{"role": "user", "content": "Say y
         "temperature": 0}
 
 
+def wait_healthy(url: str, seconds: float = 120, log: Path | None = None) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"{url} did not come up" + (f": {log.read_text()[-2000:]}" if log and log.exists() else ""))
+
+
 def write_section(path: Path, tag: str, title: str, report: str) -> None:
     """Replace the `<!-- tag:start -->…<!-- tag:end -->` block of a markdown file (append it the first time)."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"
@@ -97,17 +109,8 @@ def main() -> int:
                                   env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     gateway = f"http://127.0.0.1:{port}"
     try:
+        wait_healthy(f"{gateway}/healthz", 30, log=workdir / "serve.log")
         with httpx.Client(timeout=60) as client:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    if client.get(f"{gateway}/healthz").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"blazar serve did not start: {(workdir / 'serve.log').read_text()}")
-                time.sleep(0.1)
             warm = client.post(f"{gateway}/v1/chat/completions", json=BODY)
             if warm.status_code != 200:
                 raise SystemExit(f"the warm-up request failed: {warm.text}")
