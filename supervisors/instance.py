@@ -336,8 +336,8 @@ class Instance:
                 self.failure = reason
                 self.crashed = True
                 self.state = State.FAILED
+                self._report()  # the lane hears of the failure before any client can ask again
                 self._fail_waiters(502, "engine_failed", reason)
-                self._report()
             case _Exited(returncode=code):
                 if self.state not in (State.STOPPING, State.STOPPED, State.FAILED):
                     tail = self.output_tail()
@@ -346,8 +346,8 @@ class Instance:
                     log.warning("%s", self.failure)
                     self.crashed = True
                     self.state = State.FAILED
-                    self._fail_waiters(502, "engine_crashed", self.failure)
                     self._report()
+                    self._fail_waiters(502, "engine_crashed", self.failure)
             case Stop(reason=reason, if_idle=if_idle):
                 busy = self.in_flight or self.waiting or self.state is State.STARTING
                 if if_idle and busy:
@@ -410,7 +410,7 @@ class Instance:
             return
         self._reported_state = self.state
         tell(self.lane, InstanceEvent(key=self.key, state=self.state, last_used=self.last_used, detail=self.failure,
-                                      serial=self.serial))
+                                      crashed=self.crashed, serial=self.serial))
 
     def describe(self) -> dict[str, Any]:
         idle_left = None

@@ -300,15 +300,18 @@ class TextLane(MessageLoop):
             resident = self.draining.get(event.serial)
             if resident is None:
                 return
+        counted = resident.state == State.FAILED  # its crash was counted when it failed
         resident.state = event.state
         resident.last_used = event.last_used
+        if event.crashed and not counted and event.state in (State.FAILED, State.STOPPED):
+            # Counted when the instance fails, not when it is finally reaped: its 502 reaches the client
+            # after this report, so the client's next request already sees the breaker.
+            self._on_crash(event.key, event.detail)
         if event.state == State.STOPPED:
             self.draining.pop(event.serial, None)
             if self.residents.get(event.key) is resident:
                 del self.residents[event.key]
-            if event.crashed:
-                self._on_crash(event.key, event.detail)
-            elif event.detail == "idle":
+            if event.detail == "idle" and not event.crashed:
                 self._record("evict", event.key, reason="idle keep_alive")
 
     def _recent_crashes(self, key: str) -> int:
