@@ -119,7 +119,31 @@ def fetch_source(cache: Path, version: str | None, progress: Progress) -> tuple[
     return tree / "llama.cpp", short
 
 
-def cmake_flags(request: BuildRequest) -> list[str]:
+def active_is_stale(paths: Paths) -> bool:
+    """True when the active CPU engine was built from the source package with other flags than this
+    Blazar builds with (a fix in the recipe, such as NO_AMX): setup rebuilds it."""
+    entry = Roster(paths).active()
+    if entry is None or entry.pseudo or entry.backend != "cpu" or not (entry.source or {}).get("package"):
+        return False
+    return list(entry.flags) != cmake_flags(BuildRequest(backend="cpu"), str(entry.source.get("version", "")))
+
+
+# AMX kernels that `-march=native` switches on crashed llama-server (SIGSEGV in ggml_backend_amx_mul_mat
+# at the first decode) on a Sapphire Rapids VM: CPU code is built without AMX; AVX-512 stays.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def _compiler_takes(flags: str) -> bool:
+    try:
+        return subprocess.run(["c++", *flags.split(), "-E", "-x", "c++", "/dev/null"], capture_output=True,
+                              timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def cmake_flags(request: BuildRequest, version: str = "") -> list[str]:
+    """The configure flags. `version` (the source package's build number) becomes the engine's own
+    `--version` build number instead of llama.cpp's git-less "build 0"."""
     flags = [
         "-DCMAKE_BUILD_TYPE=Release",
         "-DBUILD_SHARED_LIBS=OFF",  # one self-contained binary per engine tag
@@ -131,6 +155,10 @@ def cmake_flags(request: BuildRequest) -> list[str]:
         "-DGGML_RPC=ON",
         "-DGGML_NATIVE=ON",  # built on the machine that runs it
     ]
+    if version.isdigit():
+        flags.append(f"-DLLAMA_BUILD_NUMBER={version}")
+    if _compiler_takes(NO_AMX):
+        flags += [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
     if request.backend == "cuda":
         flags.append("-DGGML_CUDA=ON")
         if request.cuda_arch:
@@ -211,7 +239,7 @@ def build(paths: Paths, request: BuildRequest, progress: Progress) -> EngineEntr
     build_dir.mkdir(parents=True, exist_ok=True)
     log_path = build_dir / "build.log"
     log_path.write_text(f"blazar engine build {request.backend} {tag} at {time.ctime()}\n")
-    flags = cmake_flags(request)
+    flags = cmake_flags(request, version)
     progress("configure", None, f"cmake configure ({tag})")
     _run_logged(["cmake", "-S", str(source), "-B", str(build_dir), *flags], log_path, "configure", progress)
     known = available_targets(build_dir)
