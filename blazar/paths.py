@@ -7,14 +7,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+class RelativeHome(ValueError):
+    """BLAZAR_HOME must be absolute: a relative one would scatter state into whatever folder a
+    command happens to run in."""
+
+
 @dataclass(frozen=True)
 class Paths:
     home: Path
 
+    def __post_init__(self) -> None:
+        if not Path(self.home).is_absolute():
+            raise RelativeHome(f"BLAZAR_HOME must be an absolute path, got {str(self.home)!r}; e.g. "
+                               f"BLAZAR_HOME=$PWD/{self.home} or BLAZAR_HOME=~/.blazar")
+
     @classmethod
     def from_env(cls) -> Paths:
         raw = os.environ.get("BLAZAR_HOME") or "~/.blazar"
-        return cls(Path(raw).expanduser().resolve())
+        return cls(Path(raw).expanduser())
 
     @property
     def config(self) -> Path:
