@@ -36,6 +36,7 @@ class Services:
     lane: Any = None  # supervisors.text_lane.LaneClient
     requests: Any = None  # supervisors.requests.RequestsClient
     obs: Any = None  # blazar.observability.Observability
+    admission: Any = None  # supervisors.admission.AdmissionClient (its gate holds the live key table)
 
 
 class BlazarApp(QuartTrio):
@@ -97,6 +98,9 @@ def create_app(services: Services) -> BlazarApp:
     from dialects.admin.routes import blueprint as admin
 
     app.register_blueprint(admin)
+    from dialects.admin.keys_routes import blueprint as keys
+
+    app.register_blueprint(keys)
     if test_hooks_enabled():
         from dialects.native.test_hooks import blueprint as hooks
 

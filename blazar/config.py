@@ -27,13 +27,23 @@ from tomlkit.items import AoT, Table
 
 DEFAULT_PORT = 11434
 BACKUPS_KEPT = 10
+# Origins a browser page may call from by default: pages the user runs on this machine, and local
+# app shells. Everything else gets 403 (see docs/security.md).
+LOCAL_ORIGINS = ("http://localhost", "https://localhost", "http://*.localhost", "https://*.localhost",
+                 "http://127.*.*.*", "https://127.*.*.*", "http://[::1]", "https://[::1]",
+                 "http://0.0.0.0", "https://0.0.0.0", "app://*", "file://*", "tauri://*", "vscode-webview://*")
 
 
 class KeyEntry(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """One API key (`[[keys]]`); managed with `blazar keys`, not `config set`."""
+    """One API key (`[[keys]]`); managed with `blazar keys`, not `config set`.
+
+    Exactly one of `secret` (hand-written plaintext) and `secret_hash` (scrypt, written by
+    `blazar keys add`) is set; `prefix` is the first 8 characters of a hashed secret, for display."""
 
     name: str
-    secret: str
+    secret: str = ""
+    secret_hash: str = ""
+    prefix: str = ""
     models: list[str] = []
     rpm: int = 0
     tpm: int = 0
@@ -64,7 +74,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     shutdown_grace_secs: float = 10.0
     body_limit_mib: int = 50
-    cors_origins: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    cors_origins: list[str] = msgspec.field(default_factory=lambda: list(LOCAL_ORIGINS))
+    allowed_hosts: list[str] = []
     keep_alive: str | int = "5m"
     max_resident_models: int = 3
     ram_budget_mib: int = 0
@@ -81,7 +92,8 @@ KEY_DOCS: dict[str, str] = {
     "log_level": "debug | info | warning | error",
     "shutdown_grace_secs": "seconds in-flight requests get to finish on SIGINT/SIGTERM",
     "body_limit_mib": "largest request body accepted, in MiB (413 above it)",
-    "cors_origins": "origins allowed by CORS; [\"*\"] allows any",
+    "cors_origins": "browser origins allowed (any port; * wildcards); others get 403; [\"*\"] allows any",
+    "allowed_hosts": "Host header values served besides loopback ones (reverse proxies; * wildcards)",
     "keep_alive": "idle time before a resident model is evicted: 30s, 5m, 1h, or seconds",
     "max_resident_models": "how many models may be resident at once",
     "ram_budget_mib": "total model size resident models may hold, in MiB (0 = no budget)",
@@ -251,8 +263,33 @@ def parse_duration(value: str | int | float) -> float:
     return float("inf") if number < 0 else number * scale
 
 
+def _check_keys(config: Config, source: str) -> None:
+    from blazar.keys import LIMIT_FIELDS, NAME_PATTERN, valid_hash
+
+    seen: set[str] = set()
+    for index, key in enumerate(config.keys):
+        where = f"{source}: keys[{index}]"
+        if not NAME_PATTERN.match(key.name):
+            raise ConfigError(f"{where}: name {key.name!r} must be 1-64 characters of A-Z a-z 0-9 . _ -",
+                              fix="rename it in config.toml")
+        if key.name in seen:
+            raise ConfigError(f"{where}: a second key named {key.name!r}", fix="give each [[keys]] entry its own name")
+        seen.add(key.name)
+        if bool(key.secret) == bool(key.secret_hash):
+            raise ConfigError(f"{where} ({key.name}): set exactly one of `secret` (plaintext) and `secret_hash`",
+                              fix=f"blazar keys rotate {key.name} writes a fresh hashed secret")
+        if key.secret_hash and not valid_hash(key.secret_hash):
+            raise ConfigError(f"{where} ({key.name}): secret_hash is not a scrypt hash written by blazar",
+                              fix=f"blazar keys rotate {key.name}")
+        for limit in (*LIMIT_FIELDS, "weight"):
+            if getattr(key, limit) < (1 if limit == "weight" else 0):
+                raise ConfigError(f"{where} ({key.name}): {limit} must be ≥ {1 if limit == 'weight' else 0}",
+                                  fix="0 means unlimited; weight is at least 1")
+
+
 def _check_semantics(config: Config, source: str) -> None:
     parse_bind(config.bind)
+    _check_keys(config, source)
     checks = [
         ("keep_alive", config.keep_alive),
         *((f'models."{name}".keep_alive', m.keep_alive) for name, m in config.models.items()
@@ -276,6 +313,9 @@ def _check_semantics(config: Config, source: str) -> None:
 
 
 def validate(data: dict[str, Any], source: str = "config.toml") -> Config:
+    if "api_keys" in data:
+        raise ConfigError(f"{source}: `api_keys` is the legacy way to list keys",
+                          fix="blazar migrate (moves them to [[keys]] entries, hashed, after a backup)")
     try:
         config = msgspec.convert(data, Config)
     except msgspec.ValidationError as error:
@@ -528,6 +568,8 @@ def effective_with_sources(config_file: ConfigFile, environ: dict[str, str] | No
         else:
             source = "default"
         if parts[0] == "keys":
-            value = [{**k, "secret": k["secret"][:8] + "…"} for k in value]
+            from blazar.keys import redact_entries
+
+            value = redact_entries(value)
         rows.append((key, value, source))
     return rows

@@ -153,20 +153,51 @@ def model_checks(paths: Paths) -> list[Check]:
                   fix="" if manifests else "blazar pull smollm2:135m")]
 
 
-def channel_checks(paths: Paths) -> list[Check]:
+def channel_checks(paths: Paths, live_keys: bool | None = None) -> list[Check]:
+    """`live_keys`: whether the running daemon's middleware enforces keys (its manifest says), or None
+    with no daemon up, when the same rule the middleware applies is computed from config + env."""
+    from blazar.config import parse_bind
+    from blazar.keys import auth_enabled, records_from_config
+    from blazar.middleware import loopback_host
+
     try:
         config = ConfigFile(paths.config).load()
     except ConfigError as error:
         return [Check(group="CHANNELS", check="config", status="fail", detail=error.message, fix=error.fix)]
     source = str(paths.config) if paths.config.exists() else "defaults (no config.toml)"
+    count = len(records_from_config(config.keys))
+    enforced = auth_enabled(config.keys) if live_keys is None else live_keys
+    where = "the running daemon enforces" if live_keys is not None else "blazar serve will enforce"
+    host, _ = parse_bind(config.bind)
+    exposed = not loopback_host(host)
+    if enforced:
+        auth = Check(group="CHANNELS", check="auth", status="ok",
+                     detail=f"{where} API keys ({count} configured in config.toml and BLAZAR_KEYS)")
+    elif exposed:
+        auth = Check(group="CHANNELS", check="auth", status="warn",
+                     detail=f"open gateway on {config.bind}, beyond loopback: anyone who can reach it may use it",
+                     fix="blazar keys add NAME (or bind 127.0.0.1)")
+    else:
+        auth = Check(group="CHANNELS", check="auth", status="info",
+                     detail="open gateway on loopback: no API keys; local programs and allowed browser origins "
+                     "may use it", fix="blazar keys add NAME locks it")
+    if "*" in config.cors_origins:
+        cors = Check(group="CHANNELS", check="cors", status="warn",
+                     detail='cors_origins is ["*"]: any web page you open may call this gateway and read answers',
+                     fix="blazar config unset cors_origins (back to local origins only); see docs/security.md")
+    else:
+        cors = Check(group="CHANNELS", check="cors", status="ok",
+                     detail=f"browser origins allowed: {', '.join(config.cors_origins) or 'none'}; others get 403")
     return [
         Check(group="CHANNELS", check="config", status="ok", detail=f"valid: {source}"),
         Check(group="CHANNELS", check="bind", status="ok",
               detail=f"{config.bind}: OpenAI /v1, Ollama /api and Anthropic /v1/messages on one port"),
-        Check(group="CHANNELS", check="auth", status="ok" if config.keys else "info",
-              detail=f"{len(config.keys)} API key(s)" if config.keys
-              else "open gateway: no [[keys]] configured, every client on the network may use it"),
-        Check(group="CHANNELS", check="cors", status="ok", detail=f"origins {', '.join(config.cors_origins)}"),
+        auth,
+        cors,
+        Check(group="CHANNELS", check="hosts", status="ok",
+              detail=("Host header: loopback names only" if not exposed else "Host header: any")
+              + (f", plus {', '.join(config.allowed_hosts)}" if config.allowed_hosts else "")
+              + " (DNS-rebinding guard)"),
     ]
 
 

@@ -1,6 +1,6 @@
 """ASGI middleware, outermost to innermost:
 
-request log + trace id -> auth (slot) -> CORS -> body limit -> session pin (slot) -> app
+request log + trace id -> Host check -> auth -> CORS -> body limit -> session pin (slot) -> app
 
 Plain ASGI callables rather than framework hooks: they run before Quart parses anything, cost a
 few microseconds, and see chunked bodies as they arrive.
@@ -94,28 +94,139 @@ class RequestLog:
                                  status, elapsed)
 
 
+def _wildcard(pattern: str) -> re.Pattern[str]:
+    """`*` stands for one DNS label (or one IPv4 number in an IPv4 pattern); `scheme://*` for anything
+    after the scheme. Labels never swallow dots, so `http://127.*.*.*` cannot match 127.0.0.evil.com."""
+    scheme, sep, rest = pattern.partition("://")
+    if sep and rest == "*":
+        return re.compile(re.escape(scheme) + "://.*", re.IGNORECASE)
+    ipv4 = re.fullmatch(r"[\d*]+(\.[\d*]+){3}", pattern.rsplit("://", 1)[-1]) is not None
+    label = r"\d{1,3}" if ipv4 else r"[A-Za-z0-9-]+"
+    return re.compile(label.join(re.escape(part) for part in pattern.split("*")), re.IGNORECASE)
+
+
+def _split_port(value: str) -> str:
+    """`http://localhost:3000` -> `http://localhost`; `[::1]:8080` -> `[::1]`."""
+    match = re.fullmatch(r"(.*?)(:\d{1,5})?", value)
+    return match.group(1) if match else value
+
+
+def _trim(value: str) -> str:
+    """One trailing slash off (`http://a/` -> `http://a`), never the scheme's own (`file://`)."""
+    return value[:-1] if value.endswith("/") and not value.endswith("://") else value
+
+
+class Patterns:
+    """Origins or hosts as the user writes them: exact, `*` wildcards, any port; `*` alone allows all."""
+
+    def __init__(self, entries: list[str]) -> None:
+        self.entries = [_trim(e.strip()) for e in entries if e.strip()]
+        self.any = "*" in self.entries
+        self._compiled = [_wildcard(e) for e in self.entries if e != "*"]
+
+    def match(self, value: str) -> bool:
+        if self.any:
+            return True
+        value = _trim(value)
+        bare = _split_port(value)
+        return any(p.fullmatch(value) or p.fullmatch(bare) for p in self._compiled)
+
+
+def loopback_host(host: str) -> bool:
+    """localhost, *.localhost, 127.0.0.0/8 and [::1], with or without a port."""
+    import ipaddress
+
+    name = _split_port(host.strip().lower()).rstrip(".")
+    if name in ("localhost", "[::1]") or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class HostGuard:
+    """Refuses Host values a DNS-rebinding page would send. Bound to loopback, only loopback hosts (plus
+    `allowed_hosts`) are served; bound beyond it, `allowed_hosts` when set, else any."""
+
+    def __init__(self, app: ASGIApp, *, bound_loopback: bool, allowed_hosts: list[str]) -> None:
+        self.app = app
+        self.bound_loopback = bound_loopback
+        self.allowed = Patterns(allowed_hosts)
+        self.checking = bound_loopback or bool(self.allowed.entries)
+
+    def allows(self, host: str) -> bool:
+        # A loopback name is never a rebinding attempt: the box's own tools keep working however it is bound.
+        return loopback_host(host) or self.allowed.match(host) or self.allowed.match(_split_port(host))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.checking and scope["type"] in ("http", "websocket"):
+            raw = header(scope, b"host")
+            host = raw.decode("latin-1") if raw is not None else ""
+            if raw is not None and not self.allows(host):
+                where = "a loopback address" if self.bound_loopback else "this address"
+                message = (f"Host {host!r} is not served: this gateway listens on {where} and answers only "
+                           f"{'localhost, 127.0.0.0/8 and [::1]' if self.bound_loopback else 'the allowed_hosts'}"
+                           " (a foreign Host is how DNS-rebinding pages reach local servers). Behind a reverse "
+                           f"proxy, allow it: blazar config set allowed_hosts '[\"{_split_port(host)}\"]' "
+                           "(or BLAZAR_ALLOWED_HOSTS), then restart blazar serve")
+                await refuse_scope(scope, send, 403, error_bytes(scope["path"], 403, message))
+                return
+        await self.app(scope, receive, send)
+
+
+async def refuse_scope(scope: Scope, send: Send, status: int, body: bytes, content_type: bytes = b"application/json",
+                       extra_headers: list | None = None) -> None:
+    """An HTTP refusal for an HTTP request or a WebSocket handshake (hypercorn's http.response extension;
+    a plain close where the server lacks it)."""
+    if scope["type"] == "websocket":
+        if "websocket.http.response" in scope.get("extensions", {}):
+            headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()),
+                       *(extra_headers or [])]
+            await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
+            await send({"type": "websocket.http.response.body", "body": body, "more_body": False})
+        else:
+            await send({"type": "websocket.close", "code": 1008})
+        return
+    await send_simple(send, status, body, content_type=content_type, extra_headers=extra_headers)
+
+
+def is_preflight(scope: Scope) -> bool:
+    return scope["method"] == "OPTIONS" and header(scope, b"origin") is not None and \
+        header(scope, b"access-control-request-method") is not None
+
+
 class Cors:
-    """Answers preflights and stamps allow-origin on responses for the configured origins."""
+    """Browser origins: an allowed one gets its preflight answered and allow-origin on responses; any
+    other gets 403 on every method, preflight included. Requests without Origin (SDKs, curl) pass."""
 
     def __init__(self, app: ASGIApp, origins: list[str]) -> None:
         self.app = app
-        self.any_origin = "*" in origins
-        self.origins = {o.rstrip("/").encode() for o in origins}
+        self.patterns = Patterns(origins)
 
-    def _allowed(self, origin: bytes | None) -> bool:
-        return origin is not None and (self.any_origin or origin.rstrip(b"/") in self.origins)
+    def _refusal(self, scope: Scope, origin: str) -> bytes:
+        wanted = [*self.patterns.entries, origin]
+        listed = ", ".join(f'"{o}"' for o in wanted)
+        message = (f"browser origin {origin!r} may not call this gateway: a web page from another site could "
+                   "otherwise read your models and prompts or change them. If you trust that page, allow it: "
+                   f"blazar config set cors_origins '[{listed}]' (or BLAZAR_CORS_ORIGINS), then restart "
+                   "blazar serve. See docs/security.md")
+        return error_bytes(scope["path"], 403, message)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw = header(scope, b"origin") if scope["type"] in ("http", "websocket") else None
+        if raw is None:
+            await self.app(scope, receive, send)
+            return
+        origin = raw.decode("latin-1")
+        if not self.patterns.match(origin):
+            await refuse_scope(scope, send, 403, self._refusal(scope, origin), extra_headers=[(b"vary", b"origin")])
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        origin = header(scope, b"origin")
-        if not self._allowed(origin):
-            await self.app(scope, receive, send)
-            return
-        allow = b"*" if self.any_origin else origin
-        requested_method = header(scope, b"access-control-request-method")
-        if scope["method"] == "OPTIONS" and requested_method is not None:
+        allow = b"*" if self.patterns.any else raw
+        if is_preflight(scope):
             requested_headers = header(scope, b"access-control-request-headers") or b"*"
             await send_simple(send, 204, b"", content_type=b"text/plain", extra_headers=[
                 (b"access-control-allow-origin", allow),
@@ -195,13 +306,16 @@ class BodyLimit:
 
 def build_stack(app: ASGIApp, *, cors_origins: list[str], body_limit_bytes: int,
                 trace_ids: TraceIds, obs: Any = None, auth: Callable[[ASGIApp], ASGIApp] | None = None,
-                session_pin: Callable[[ASGIApp], ASGIApp] | None = None) -> ASGIApp:
-    """Wrap `app` in the spec's middleware order. `auth` and `session_pin` are the open slots."""
+                session_pin: Callable[[ASGIApp], ASGIApp] | None = None, bound_loopback: bool = True,
+                allowed_hosts: list[str] | None = None) -> ASGIApp:
+    """Wrap `app` in the spec's middleware order (with the Host check ahead of auth). `session_pin` is
+    the open slot."""
     inner: ASGIApp = session_pin(app) if session_pin else app
     inner = BodyLimit(inner, body_limit_bytes)
     inner = Cors(inner, cors_origins)
     if auth:
         inner = auth(inner)
+    inner = HostGuard(inner, bound_loopback=bound_loopback, allowed_hosts=allowed_hosts or [])
     return RequestLog(inner, trace_ids, obs)
 
 

@@ -49,6 +49,12 @@ class Observability:
         self.tokens = Counter("blazar_tokens", "Tokens in and out", ["model", "direction"], registry=r)
         self.cached_tokens = Counter("blazar_prompt_cache_tokens", "Prompt tokens served from the engine's cache",
                                      ["model"], registry=r)
+        # Per API key, labelled by the key's name (never its secret).
+        self.key_requests = Counter("blazar_key_requests", "Admission verdicts per API key",
+                                    ["key", "outcome"], registry=r)
+        self.key_token_count = Counter("blazar_key_tokens", "Tokens charged to each API key (prompt + completion)",
+                                       ["key"], registry=r)
+        self.key_leases = Gauge("blazar_key_in_flight", "Requests each API key has in flight", ["key"], registry=r)
         self.windows: dict[str, deque[float]] = {name: deque(maxlen=WINDOW)
                                                  for name in ("ttft", "ttft_warm", "ttft_cold", "tpot")}
         self.prompt_tokens_total = 0
@@ -81,6 +87,18 @@ class Observability:
         if cached_tokens:
             self.cached_tokens.labels(model).inc(cached_tokens)
             self.cached_tokens_total += cached_tokens
+
+    def key_admitted(self, key: str) -> None:
+        self.key_requests.labels(key, "admitted").inc()
+
+    def key_refused(self, key: str, status: int) -> None:
+        self.key_requests.labels(key, "rate_limited" if status == 429 else "out_of_scope").inc()
+
+    def key_tokens(self, key: str, tokens: int) -> None:
+        self.key_token_count.labels(key).inc(tokens)
+
+    def key_in_flight(self, key: str, leases: int) -> None:
+        self.key_leases.labels(key).set(leases)
 
     def event(self, kind: str, model: str | None, **detail: Any) -> None:
         if model and kind in ("spawn", "evict", "crash", "refused"):

@@ -7,6 +7,7 @@ what the instance answers. A client that leaves while queued withdraws its ticke
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -34,22 +35,27 @@ REQUEST_CALL_LIMIT_SECS = 3600.0  # the longest a single generation may take end
 class Refusal(Exception):
     """A teaching error to send as the dialect's error response."""
 
-    def __init__(self, status: int, message: str, *, code: str | None = None, hint: str = "") -> None:
+    def __init__(self, status: int, message: str, *, code: str | None = None, hint: str = "",
+                 retry_after: float = 0.0) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.hint = hint
+        self.retry_after = retry_after
 
     @classmethod
     def from_err(cls, err: Err) -> Refusal:
-        return cls(err.status, err.message, code=err.code, hint=err.hint)
+        return cls(err.status, err.message, code=err.code, hint=err.hint, retry_after=err.retry_after)
+
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": str(math.ceil(self.retry_after))} if self.retry_after else {}
 
     def response(self, path: str) -> Response:
         message = f"{self.message} (fix: {self.hint})" if self.hint else self.message
         extra = {"hint": self.hint} if self.hint else {}
         return Response(error_bytes(path, self.status, message, **extra), status=self.status,
-                        content_type="application/json")
+                        content_type="application/json", headers=self.headers())
 
 
 def refuse(error: Exception) -> Response:
@@ -71,6 +77,28 @@ def _tag_model(model: str) -> None:
         request.scope["blazar.model"] = model
 
 
+async def admit_request(services: Any, model: str) -> Callable[[int], None] | None:
+    """Per-key limits, once per request (a route may reach the engine more than once). The lease goes
+    back in the auth middleware when the response has drained. Returns where the engine's token counts
+    are charged, or None on an open gateway."""
+    from quart import has_request_context, request
+
+    if not has_request_context() or not request.scope.get("blazar.auth") or services.admission is None:
+        return None
+    record = request.scope.get("blazar.key")
+    if record is None:
+        return None
+    if "blazar.lease" not in request.scope:
+        try:
+            request.scope["blazar.lease"] = await services.admission.admit(record.name, model, "tokens")
+        except ActorError as error:
+            raise Refusal.from_err(error.err) from None
+        except ActorUnavailable as error:
+            raise Refusal(503, f"admission did not answer: {error}", hint="retry in a moment") from None
+    name = record.name
+    return lambda tokens: services.admission.charge(name, tokens)
+
+
 def num_ctx_header(headers: Any) -> int | None:
     raw = headers.get("x-blazar-num-ctx")
     if raw is None or raw.strip() == "":
@@ -85,6 +113,7 @@ async def forward(services: Any, model: str, upstream: UpstreamCall, headers: An
                   keep_alive: float | None = None, num_ctx: int | None = None) -> UpstreamReply | UpstreamStream:
     """Raises Refusal for anything the client should hear as an error."""
     _tag_model(model)
+    on_usage = await admit_request(services, model)
     if num_ctx is None:
         num_ctx = num_ctx_header(headers)
     try:
@@ -107,7 +136,7 @@ async def forward(services: Any, model: str, upstream: UpstreamCall, headers: An
     try:
         return await call(handle.mailbox, lambda reply: Submit(
             reply=reply, ticket=ticket, call=upstream, due=plan.due, expire_at=plan.expire_at,
-            keep_alive=keep_alive), within=REQUEST_CALL_LIMIT_SECS)
+            keep_alive=keep_alive, on_usage=on_usage), within=REQUEST_CALL_LIMIT_SECS)
     except ActorError as error:
         if error.err.status in (503, 507) and services.obs is not None:
             services.obs.event("refused", handle.key, status=error.err.status, code=error.err.code,

@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 
 import trio
@@ -31,12 +32,15 @@ from hypercorn.utils import wrap_app
 
 from blazar import __version__
 from blazar.app import Services, create_app
+from blazar.auth import Auth, KeyGate
 from blazar.config import Config, parse_bind
 from blazar.engines import Roster, sweep_orphans
-from blazar.middleware import build_stack
+from blazar.keys import KeyTable, records_from_config, write_cli_token
+from blazar.middleware import build_stack, loopback_host
 from blazar.observability import Observability
 from blazar.paths import Paths
 from supervisors.actor import supervise
+from supervisors.admission import AdmissionActor, AdmissionClient
 from supervisors.ledger import LedgerActor, LedgerClient
 from supervisors.registry import RegistryActor, RegistryClient
 from supervisors.requests import RequestRegistry, RequestsClient
@@ -87,25 +91,47 @@ async def run_gateway(
     *,
     sock: socket.socket,
     shutdown: trio.Event,
+    clock: Callable[[], float] = time.time,
+    environ: dict[str, str] | None = None,
     task_status: trio.TaskStatus[Services] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """The root supervisor. Started value: the Services the routes see (tests use it)."""
+    """The root supervisor. Started value: the Services the routes see (tests use it).
+
+    `clock` is the wall clock the per-key limits count on (tests move it); `environ` is where
+    `BLAZAR_KEYS` is read (default: the process environment)."""
     orphans = await trio.to_thread.run_sync(sweep_orphans, paths)
     if orphans:
         log.warning("stopped %d engine child(ren) left by a previous daemon: pids %s", len(orphans), orphans)
+    environ = dict(os.environ if environ is None else environ)
+    local_token = await trio.to_thread.run_sync(write_cli_token, paths.run)
+    env_records = [r for r in records_from_config([], environ)]
+
+    def key_table(entries: list) -> KeyTable:
+        return KeyTable([*records_from_config(entries, {}), *env_records], local_token)
+
+    gate = KeyGate(key_table(config.keys))
+    host, _ = parse_bind(config.bind)
+    if not gate.table.enabled and not loopback_host(host):
+        log.warning("listening on %s with no API keys: anyone who can reach this address can use and manage "
+                    "the gateway; lock it: blazar keys add NAME (or bind 127.0.0.1)", config.bind)
     async with trio.open_nursery() as root:
-        ledger = LedgerClient(await root.start(partial(supervise, lambda: LedgerActor(paths.ledger))))
-        registry = RegistryClient(await root.start(partial(supervise, lambda: RegistryActor(paths))))
         obs = Observability()
+        ledger = LedgerClient(await root.start(partial(supervise, lambda: LedgerActor(paths.ledger))))
+        admission = AdmissionClient(await root.start(partial(
+            supervise, lambda: AdmissionActor(gate, ledger, clock=clock, obs=obs), mailbox_size=4096)), gate)
+        registry = RegistryClient(await root.start(partial(
+            supervise, lambda: RegistryActor(paths, admission=admission, key_table=key_table))))
         lane = LaneClient(await root.start(partial(
             supervise, lambda: TextLane(paths, config, ledger=ledger, obs=obs), mailbox_size=1024)))
         requests = RequestsClient(await root.start(partial(supervise, RequestRegistry, mailbox_size=4096)))
         services = Services(paths=paths, config=config, ledger=ledger, registry=registry,
-                            engine_identity=Roster(paths).identity, lane=lane, requests=requests, obs=obs)
+                            engine_identity=Roster(paths).identity, lane=lane, requests=requests, obs=obs,
+                            admission=admission)
         app = create_app(services)
         asgi = build_stack(app, cors_origins=config.cors_origins,
                            body_limit_bytes=config.body_limit_mib * 1024 * 1024,
-                           trace_ids=services.trace_ids, obs=obs)
+                           trace_ids=services.trace_ids, obs=obs, auth=lambda inner: Auth(inner, gate),
+                           bound_loopback=loopback_host(host), allowed_hosts=config.allowed_hosts)
         hyper = _hypercorn_config(config)
 
         async def http_server(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -115,6 +141,7 @@ async def run_gateway(
             # Drained: record it while the ledger is still up, then stop every actor.
             with trio.move_on_after(2) as cleanup:
                 cleanup.shield = True
+                await admission.flush()  # today's key usage survives the restart
                 await ledger.execute("INSERT INTO events (ts, kind, detail) VALUES (?, 'serve_stopped', '{}')",
                                      (time.time(),))
             root.cancel_scope.cancel()

@@ -40,6 +40,7 @@ class Err(msgspec.Struct, frozen=True, tag="err"):
     message: str
     hint: str = ""
     status: int = 500
+    retry_after: float = 0.0  # seconds, for a 429/503 the client may retry
 
 
 Reply = Ok | Err

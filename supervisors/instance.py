@@ -100,6 +100,7 @@ class Submit(Envelope, frozen=True, tag="submit"):
     due: float = 0.0  # EDF key: trio time by which it should start
     expire_at: float = 0.0  # trio time after which waiting is refused with 503
     keep_alive: float | None = None
+    on_usage: Any = None  # called with the engine's prompt + completion token count of a generation
 
 
 class Withdraw(Envelope, frozen=True, tag="withdraw"):
@@ -152,6 +153,7 @@ class _Waiter:
     expire_at: float = field(compare=False)
     enqueued_at: float = field(compare=False)
     cold: bool = field(compare=False, default=False)  # it waited for the child to load
+    on_usage: Any = field(compare=False, default=None)
 
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/completion")
@@ -374,7 +376,7 @@ class Instance:
             self.keep_alive = message.keep_alive
         waiter = _Waiter(due=message.due, seq=next(self._seq), ticket=message.ticket, call=message.call,
                          reply=message.reply, expire_at=message.expire_at, enqueued_at=trio.current_time(),
-                         cold=self.ready_at is None)
+                         cold=self.ready_at is None, on_usage=message.on_usage)
         heapq.heappush(self.waiting, waiter)
         self.by_ticket[waiter.ticket] = waiter
         self._dispatch()
@@ -601,11 +603,16 @@ class Instance:
                 await self.mailbox.send(_Finished(ticket=waiter.ticket))
 
     def _observe(self, waiter: _Waiter, queued: float, payload: dict[str, Any], first_chunk: float | None) -> None:
-        """TTFT from admission (engine timings for buffered answers), TPOT from the engine's timings."""
-        if self.obs is None:
-            return
+        """Tokens for the key's limits; TTFT from admission (engine timings for buffered answers), TPOT from
+        the engine's timings."""
         timings = payload.get("timings") or {}
         usage = payload.get("usage") or {}
+        if waiter.on_usage is not None:
+            prompt = usage.get("prompt_tokens") or (timings.get("prompt_n") or 0) + (timings.get("cache_n") or 0)
+            completion = usage.get("completion_tokens") or timings.get("predicted_n") or 0
+            waiter.on_usage(int(prompt) + int(completion))
+        if self.obs is None:
+            return
         ttft = first_chunk if first_chunk is not None else (timings.get("prompt_ms") or 0) / 1000 or None
         per_token = timings.get("predicted_per_token_ms")
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or timings.get("cache_n") or 0

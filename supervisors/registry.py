@@ -1,17 +1,24 @@
-"""The Registry actor: the daemon's owner of changes to the model store (delete, copy, pull).
+"""The Registry actor: the daemon's owner of changes to the model store (delete, copy, pull) and to
+the `[[keys]]` of config.toml (add, remove, rotate).
 
-States: serving -> stopped. Every store change the HTTP surface asks for goes through this loop,
-so two clients never race on the same manifest. The blocking store work runs in worker threads;
+States: serving -> stopped. Every store or key change the HTTP surface asks for goes through this
+loop, so two clients never race on the same manifest or config file. A key change is written
+through the config round-trip (validated, `.bak`, atomic rename) first and published to the
+Admission actor only once it is on disk, so a failed write changes nothing. The blocking store and
+config work runs in worker threads;
 a pull is a child task of this actor that reports progress into a bounded channel the route relays
 (a reader that falls behind misses progress lines, never the result).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import trio
 
+from blazar import keys as keyring
+from blazar.config import ConfigError, ConfigFile
 from blazar.engines import live_children
 from blazar.paths import Paths
 from blazar.store import Store, StoreError
@@ -34,6 +41,18 @@ class PullModel(Envelope, frozen=True, tag="pull_model"):
     target: str = ""
 
 
+class AddKey(Envelope, frozen=True, kw_only=True, tag="add_key"):
+    entry: dict  # checked by keys.check_new_key
+
+
+class RemoveKey(Envelope, frozen=True, kw_only=True, tag="remove_key"):
+    name: str
+
+
+class RotateKey(Envelope, frozen=True, kw_only=True, tag="rotate_key"):
+    name: str
+
+
 def _refusal(error: StoreError) -> Err:
     return Err("model_store", error.message, hint=error.fix, status=error.status)
 
@@ -41,8 +60,12 @@ def _refusal(error: StoreError) -> Err:
 class RegistryActor(MessageLoop):
     name = "registry"
 
-    def __init__(self, paths: Paths) -> None:
+    def __init__(self, paths: Paths, *, admission: Any = None,
+                 key_table: Callable[[list[Any]], keyring.KeyTable] | None = None) -> None:
         self.paths = paths
+        self.admission = admission  # AdmissionClient: where a changed key table is published
+        self.key_table = key_table  # config [[keys]] -> the full live table (env keys, CLI token added)
+        self.config_file = ConfigFile(paths.config)
 
     async def on_start(self, nursery: trio.Nursery) -> None:
         self.nursery = nursery
@@ -67,7 +90,34 @@ class RegistryActor(MessageLoop):
                 send, receive = trio.open_memory_channel[dict[str, Any]](PULL_EVENTS)
                 self.nursery.start_soon(self._pull, target, send)
                 return Ok(receive)
+            case AddKey() | RemoveKey() | RotateKey():
+                try:
+                    return Ok(await self._change_key(message))
+                except keyring.KeyChangeError as error:
+                    return Err("key_refused", error.message, hint=error.fix, status=error.status)
+                except ConfigError as error:
+                    return Err("config_refused", error.message, hint=error.fix, status=409)
         return Err("unknown_op", f"registry does not understand {type(message).__name__}")
+
+    async def _change_key(self, message: Envelope) -> dict[str, Any]:
+        assert self.admission is not None and self.key_table is not None
+        match message:
+            case AddKey(entry=entry):
+                op, name = "add", entry["name"]
+            case RemoveKey(name=name):
+                op, entry = "remove", None
+            case RotateKey(name=name):
+                op, entry = "rotate", None
+        live = self.admission.gate.table
+        config, secret = await trio.to_thread.run_sync(
+            lambda: keyring.change_keys(self.config_file, op, name, live=live, entry=entry))
+        table = self.key_table(config.keys)
+        await self.admission.set_keys(table)  # from here on a removed or rotated secret is refused
+        record = table.get(name)
+        out: dict[str, Any] = record.public() if record is not None else {"name": name, "deleted": True}
+        if secret:
+            out["secret"] = secret
+        return out
 
     async def _pull(self, target: str, send: trio.MemorySendChannel) -> None:
         from blazar import pull as puller
@@ -128,3 +178,12 @@ class RegistryClient:
 
     async def pull_model(self, target: str) -> trio.MemoryReceiveChannel:
         return await call(self.mailbox, lambda r: PullModel(reply=r, target=target))
+
+    async def add_key(self, entry: dict[str, Any]) -> dict[str, Any]:
+        return await call(self.mailbox, lambda r: AddKey(reply=r, entry=entry))
+
+    async def remove_key(self, name: str) -> dict[str, Any]:
+        return await call(self.mailbox, lambda r: RemoveKey(reply=r, name=name))
+
+    async def rotate_key(self, name: str) -> dict[str, Any]:
+        return await call(self.mailbox, lambda r: RotateKey(reply=r, name=name))

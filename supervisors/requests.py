@@ -40,6 +40,7 @@ class Open(Envelope, frozen=True, tag="open"):
     route: str = ""
     stream: bool = False
     flight_key: str | None = None  # singleflight: join the flight of identical requests
+    key: str | None = None  # the API key that made it (None on an open gateway)
 
 
 class Update(Envelope, frozen=True, tag="update"):
@@ -59,16 +60,19 @@ class Close(Envelope, frozen=True, tag="close"):
 
 class Get(Envelope, frozen=True, tag="get"):
     id: str = ""
+    viewer: str | None = None  # a scoped key's name: it sees only its own cards; None sees all
 
 
 class List(Envelope, frozen=True, tag="list"):
     model: str | None = None
     state: str | None = None
+    viewer: str | None = None
 
 
 class Signal(Envelope, frozen=True, tag="signal"):
     id: str = ""
     kind: str = "cancel"
+    viewer: str | None = None
 
 
 class SaveCompletion(Envelope, frozen=True, tag="save_completion"):
@@ -79,6 +83,10 @@ class UpdateCompletion(Envelope, frozen=True, tag="update_completion"):
     id: str = ""
     metadata: dict = {}
 
+
+
+def _visible(card: dict[str, Any], viewer: str | None) -> bool:
+    return viewer is None or card.get("key") == viewer
 
 
 class RequestRegistry(MessageLoop):
@@ -97,6 +105,7 @@ class RequestRegistry(MessageLoop):
                 card_id = f"req_{secrets.token_hex(8)}"
                 self.live[card_id] = {"id": card_id, "object": "request", "trace_id": message.trace_id,
                                       "model": message.model, "route": message.route, "stream": message.stream,
+                                      "key": message.key,
                                       "state": "queued", "created": time.time(), "engine": None, "tokens": None,
                                       "queue_ms": None, "compute_ms": None, "partial": ""}
                 control = Control(card_id)
@@ -124,20 +133,23 @@ class RequestRegistry(MessageLoop):
                     card["finished"] = time.time()
                     self.finished.append(card)
                 return None
-            case Get(id=card_id):
+            case Get(id=card_id, viewer=viewer):
                 card = self.live.get(card_id) or next((c for c in self.finished if c["id"] == card_id), None)
-                if card is None:
+                if card is None or not _visible(card, viewer):
                     return Err("request_not_found", f"no request {card_id} in this boot's cards",
                                hint="GET /v1/requests lists live requests and the recent finished ones", status=404)
                 return Ok(dict(card))
-            case List(model=model, state=state):
+            case List(model=model, state=state, viewer=viewer):
                 rows = [*self.live.values(), *reversed(self.finished)]
-                rows = [dict(c) for c in rows if model in (None, c["model"]) and state in (None, c["state"])]
+                rows = [dict(c) for c in rows if model in (None, c["model"]) and state in (None, c["state"])
+                        and _visible(c, viewer)]
                 return Ok(rows)
-            case Signal(id=card_id, kind=kind):
+            case Signal(id=card_id, kind=kind, viewer=viewer):
                 control = self.controls.get(card_id)
+                if control is not None and not _visible(self.live[card_id], viewer):
+                    control = None  # another key's request: it does not exist for this caller
                 if control is None:
-                    known = any(c["id"] == card_id for c in self.finished)
+                    known = any(c["id"] == card_id and _visible(c, viewer) for c in self.finished)
                     return Err("request_finished" if known else "request_not_found",
                                f"request {card_id} has already finished" if known else f"no live request {card_id}",
                                hint="GET /v1/requests lists the live ones", status=409 if known else 404)
@@ -188,9 +200,9 @@ class RequestsClient:
         self.mailbox = mailbox
 
     async def open(self, *, trace_id: str, model: str, route: str, stream: bool,
-                   flight_key: str | None = None) -> Control:
+                   flight_key: str | None = None, key: str | None = None) -> Control:
         return await call(self.mailbox, lambda r: Open(reply=r, trace_id=trace_id, model=model, route=route,
-                                                         stream=stream, flight_key=flight_key))
+                                                         stream=stream, flight_key=flight_key, key=key))
 
     def update(self, card_id: str, partial: str = "", **fields: Any) -> None:
         tell(self.mailbox, Update(id=card_id, fields=fields, partial=partial))
@@ -201,14 +213,14 @@ class RequestsClient:
             await self.mailbox.send(Close(id=card_id, state=state, fields=fields, partial=partial,
                                           flight_key=flight_key, result=result))
 
-    async def get(self, card_id: str) -> dict[str, Any]:
-        return await call(self.mailbox, lambda r: Get(reply=r, id=card_id))
+    async def get(self, card_id: str, viewer: str | None = None) -> dict[str, Any]:
+        return await call(self.mailbox, lambda r: Get(reply=r, id=card_id, viewer=viewer))
 
-    async def list(self, model: str | None, state: str | None) -> list[dict[str, Any]]:
-        return await call(self.mailbox, lambda r: List(reply=r, model=model, state=state))
+    async def list(self, model: str | None, state: str | None, viewer: str | None = None) -> list[dict[str, Any]]:
+        return await call(self.mailbox, lambda r: List(reply=r, model=model, state=state, viewer=viewer))
 
-    async def signal(self, card_id: str, kind: str) -> dict[str, Any]:
-        return await call(self.mailbox, lambda r: Signal(reply=r, id=card_id, kind=kind))
+    async def signal(self, card_id: str, kind: str, viewer: str | None = None) -> dict[str, Any]:
+        return await call(self.mailbox, lambda r: Signal(reply=r, id=card_id, kind=kind, viewer=viewer))
 
     def save_completion(self, card: dict[str, Any]) -> None:
         tell(self.mailbox, SaveCompletion(card=card))

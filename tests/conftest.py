@@ -4,10 +4,12 @@ that runs the real `blazar` executable."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -45,12 +47,14 @@ class Gateway:
         return httpx.AsyncClient(base_url=self.url, **{"timeout": 10, **kwargs})
 
 
-async def start_gateway(nursery: trio.Nursery, paths: Paths, **overrides) -> Gateway:
+async def start_gateway(nursery: trio.Nursery, paths: Paths, *, clock=time.time, environ: dict[str, str] | None = None,
+                        **overrides) -> Gateway:
     config = msgspec.structs.replace(Config(bind="127.0.0.1:0"), **overrides)
     sock = bind_socket(config.bind)
     port = sock.getsockname()[1]
     shutdown = trio.Event()
-    services = await nursery.start(partial(run_gateway, paths, config, sock=sock, shutdown=shutdown))
+    services = await nursery.start(partial(run_gateway, paths, config, sock=sock, shutdown=shutdown, clock=clock,
+                                           environ={} if environ is None else environ))
     return Gateway(url=f"http://127.0.0.1:{port}", services=services, shutdown=shutdown)
 
 
@@ -135,3 +139,41 @@ def shared_smollm2(shared_home: Paths) -> Path:
         return store.blob_of(store.get("smollm2:135m"))
     except StoreError:
         pytest.fail(f"smollm2:135m is not pulled in {shared_home.home}: run ./scripts/test")
+
+
+# ---------------------------------------------------------------- no secret in any log of the run
+
+ISSUED_SECRETS: set[str] = set()
+
+
+def issued(secret: str) -> str:
+    """Remember a secret a test was given; the whole run's captured logs must never contain it."""
+    ISSUED_SECRETS.add(secret)
+    return secret
+
+
+class _EveryLogLine(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.lines.append(record.getMessage())
+        except Exception:
+            self.lines.append(str(record.msg))
+
+
+_EVERY_LOG_LINE = _EveryLogLine()
+
+
+def pytest_sessionstart(session) -> None:
+    logging.getLogger().addHandler(_EVERY_LOG_LINE)
+    logging.getLogger().setLevel(min(logging.getLogger().level or logging.DEBUG, logging.INFO))
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    leaked = sorted({s[:8] for s in ISSUED_SECRETS for line in _EVERY_LOG_LINE.lines if s in line})
+    if leaked:
+        print(f"\nSECRET LEAK: issued API key secrets ({', '.join(p + '…' for p in leaked)}) appear in the run's logs")
+        session.exitstatus = 1

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import asyncclick as click
 import pytest
 
 from blazar.cli.main import PENDING, REFUSED, cli
 from blazar.paths import Paths
+from tests.conftest import BLAZAR as BLAZAR_EXE
 from tests.conftest import run_cli
 
 
@@ -46,6 +48,11 @@ COVERED_ELSEWHERE = {
     ("engine", "update"): "tests/test_cli.py::test_store_and_roster_commands_print_pure_jsonl",
     ("ps",): "tests/test_cli.py::test_run_ps_and_stop_against_a_live_daemon",
     ("bench",): "tests/test_cli.py::test_bench_stores_figures_that_show_reports",
+    ("keys", "add"): "tests/test_keys.py::test_keys_cli_against_a_live_daemon_and_no_secret_in_its_log",
+    ("keys", "list"): "tests/test_keys.py::test_keys_cli_against_a_live_daemon_and_no_secret_in_its_log",
+    ("keys", "rotate"): "tests/test_keys.py::test_keys_cli_against_a_live_daemon_and_no_secret_in_its_log",
+    ("keys", "rm"): "tests/test_keys.py::test_keys_cli_against_a_live_daemon_and_no_secret_in_its_log",
+    ("migrate",): "tests/test_keys.py::test_keys_cli_against_a_live_daemon_and_no_secret_in_its_log",
 }
 SCENARIO = {("import",), ("cp",), ("list",), ("show",), ("create",), ("mmproj",), ("fit",), ("rm",),
             ("engine", "local"), ("engine", "list"), ("engine", "use"), ("engine", "rollback"),
@@ -254,3 +261,11 @@ async def test_bench_stores_figures_that_show_reports(home: Paths, shared_home, 
     shown = json.loads((await arun_cli("show", "smollm2", "--json")).stdout)
     assert shown["last_benchmark"]["tg_tps"] == figures["tg_tps"]
     assert "generation" in (await arun_cli("show", "smollm2")).stdout
+
+
+def test_a_relative_blazar_home_is_refused_before_anything_is_written(tmp_path):
+    env = {**os.environ, "BLAZAR_HOME": "relative-home"}
+    result = subprocess.run([BLAZAR_EXE, "config", "list"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                            timeout=60)
+    assert result.returncode == 78 and "absolute path" in result.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -137,32 +137,6 @@ async def test_chunked_body_under_the_cap_reaches_the_route_intact(small_cap_gat
     assert response.json()["body_bytes"] == 1024 * 1024
 
 
-async def test_cors_preflight_and_response_headers(gateway):
-    with trio.fail_after(10):
-        async with gateway.client() as client:
-            preflight = await client.options("/v1/chat/completions", headers={
-                "origin": "http://localhost:3000", "access-control-request-method": "POST",
-                "access-control-request-headers": "authorization, content-type"})
-            assert preflight.status_code == 204
-            assert preflight.headers["access-control-allow-origin"] == "*"
-            assert "POST" in preflight.headers["access-control-allow-methods"]
-            assert preflight.headers["access-control-allow-headers"] == "authorization, content-type"
-            simple = await client.get("/healthz", headers={"origin": "http://localhost:3000"})
-            assert simple.headers["access-control-allow-origin"] == "*"
-            plain = await client.get("/healthz")
-            assert "access-control-allow-origin" not in plain.headers
-
-
-async def test_cors_only_for_configured_origins(nursery, home):
-    gateway = await start_gateway(nursery, home, cors_origins=["http://good.example"])
-    with trio.fail_after(10):
-        async with gateway.client() as client:
-            good = await client.get("/healthz", headers={"origin": "http://good.example"})
-            bad = await client.get("/healthz", headers={"origin": "http://evil.example"})
-    assert good.headers["access-control-allow-origin"] == "http://good.example"
-    assert "access-control-allow-origin" not in bad.headers
-
-
 async def test_serve_start_is_recorded_in_the_ledger(gateway):
     with trio.fail_after(10):
         # The start event was queued in the ledger's mailbox before this query: FIFO makes it visible.

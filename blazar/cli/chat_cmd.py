@@ -11,7 +11,7 @@ import httpx
 import msgspec
 import trio
 
-from blazar.cli.daemon import ensure_daemon, require_daemon
+from blazar.cli.daemon import daemon_client, ensure_daemon, require_daemon
 from blazar.cli.output import emit_json, fail, note, say
 from blazar.paths import Paths
 from blazar.pull import DEFAULT_MODEL
@@ -130,7 +130,7 @@ async def run(model: str | None, prompt: tuple[str, ...], verbose: bool, max_tok
         fail("--max-tokens applies to one-shot prompts only", fix=f"blazar run {model} --max-tokens N \"your prompt\"")
     url = await ensure_daemon(paths)
     base = [{"role": "system", "content": system}] if system else []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10)) as client:
+    async with daemon_client(paths, timeout=httpx.Timeout(None, connect=10)) as client:
         if one_shot:
             await _chat(client, url, model, [*base, {"role": "user", "content": one_shot}], max_tokens, verbose)
             return
@@ -181,8 +181,9 @@ async def run(model: str | None, prompt: tuple[str, ...], verbose: bool, max_tok
 @click.option("--reset", is_flag=True, help="Clear crash breakers so failed models may start again.")
 async def ps(as_json: bool, reset: bool) -> None:
     """Live instances: state, ctx, in-flight, idle countdown."""
-    url = await require_daemon(Paths.from_env())
-    async with httpx.AsyncClient(timeout=10) as client:
+    paths = Paths.from_env()
+    url = await require_daemon(paths)
+    async with daemon_client(paths, timeout=10) as client:
         if reset:
             cleared = (await client.post(f"{url}/api/ps/reset")).json()["cleared"]
             note(f"breakers cleared: {', '.join(cleared)}" if cleared else "no breaker was open")

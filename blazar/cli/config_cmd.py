@@ -89,7 +89,9 @@ async def get(key: str, as_json: bool) -> None:
         fail(f"{join_key(parts)} is not set", fix=f"blazar config set {join_key(parts)} VALUE")
     source = next((s for k, _, s in rows if k == join_key(parts)), "default")
     if parts[0] == "keys":
-        value = [{**k, "secret": k["secret"][:8] + "…"} for k in value]
+        from blazar.keys import redact_entries
+
+        value = redact_entries(value)
     if as_json:
         emit_json({"key": join_key(parts), "value": value, "source": source})
     else:

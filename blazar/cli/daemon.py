@@ -27,6 +27,20 @@ def daemon_url(paths: Paths) -> str | None:
     return None
 
 
+def auth_headers(paths: Paths) -> dict[str, str]:
+    """The key this CLI sends: BLAZAR_API_KEY when set (a remote or scoped gateway), else the running
+    daemon's local CLI token, which only the owner of $BLAZAR_HOME can read."""
+    from blazar.keys import read_cli_token
+
+    secret = os.environ.get("BLAZAR_API_KEY") or read_cli_token(paths.run)
+    return {"authorization": f"Bearer {secret}"} if secret else {}
+
+
+def daemon_client(paths: Paths, **kwargs) -> httpx.AsyncClient:
+    """An HTTP client for the daemon, authenticated as this CLI."""
+    return httpx.AsyncClient(headers=auth_headers(paths), **kwargs)
+
+
 async def healthy(url: str) -> bool:
     try:
         async with httpx.AsyncClient(timeout=2) as client:

@@ -6,6 +6,7 @@ import asyncclick as click
 import httpx
 import trio
 
+from blazar.cli.daemon import daemon_client
 from blazar.cli.output import emit_json, say
 from blazar.doctor import (
     GROUPS,
@@ -29,9 +30,11 @@ async def doctor(flat: bool, as_json: bool) -> None:
     """Grouped diagnostics: SYSTEM / GPU / ENGINES / MODELS / CHANNELS / RUNTIME."""
     paths = Paths.from_env()
     health = await _probe_health_async(paths)
+    live_keys = await _live_keys(paths)
     rows: list[Check] = []
-    for group in (system_checks, gpu_checks, engine_checks, model_checks, channel_checks):
+    for group in (system_checks, gpu_checks, engine_checks, model_checks):
         rows.extend(await trio.to_thread.run_sync(group, paths))
+    rows.extend(await trio.to_thread.run_sync(channel_checks, paths, live_keys))
     rows.extend(await trio.to_thread.run_sync(runtime_checks, paths, lambda url: health.get(url)))
     rows.extend(await _runtime_probe(paths))
     for group in GROUPS:
@@ -52,6 +55,20 @@ async def doctor(flat: bool, as_json: bool) -> None:
         raise SystemExit(1)
 
 
+async def _live_keys(paths: Paths) -> bool | None:
+    """Whether the running daemon's auth middleware enforces keys (its manifest), or None."""
+    from blazar.server import read_daemon_file
+
+    info = read_daemon_file(paths)
+    if info is None:
+        return None
+    try:
+        async with daemon_client(paths, base_url=info["url"], timeout=5) as client:
+            return bool((await client.get("/.well-known/blazar")).json()["features"]["keys"])
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+
+
 async def _runtime_probe(paths: Paths) -> list[Check]:
     """RUNTIME checks that ask the running daemon itself: residents, breakers, latency, engine."""
     from blazar.server import read_daemon_file
@@ -61,7 +78,7 @@ async def _runtime_probe(paths: Paths) -> list[Check]:
         return []
     rows: list[Check] = []
     try:
-        async with httpx.AsyncClient(base_url=info["url"], timeout=5) as client:
+        async with daemon_client(paths, base_url=info["url"], timeout=5) as client:
             residents = (await client.get("/api/ps")).json()["models"]
             quantiles = (await client.get("/api/quantiles")).json()
             manifest = (await client.get("/.well-known/blazar")).json()

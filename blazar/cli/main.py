@@ -91,9 +91,7 @@ PENDING: dict[str, tuple[str, str]] = {
     "tune": ("grid search of serving knobs", "the benchmark harness"),
     "drafts": ("speculative draft candidates", "speculative decoding"),
     "coreside": ("VRAM co-residency plan", "the GPU census"),
-    "keys": ("API key management against the running daemon", "API keys"),
     "whisper": ("transcription and whisper lane management", "the speech lanes"),
-    "migrate": ("legacy api_keys -> [[keys]]", "API keys"),
     "snapshot": ("config + store + sessions backup", "the model store"),
     "upgrade": ("self-update", "release channels"),
     "why": ("sentinel detections for a trace", "the sentinel"),
@@ -113,13 +111,23 @@ def _pending(name: str, purpose: str, waits_for: str) -> click.Command:
 
 
 def _register() -> None:
-    from blazar.cli import bench_cmd, chat_cmd, completions, config_cmd, doctor_cmd, engine_cmd, models_cmd, serve_cmd
+    from blazar.cli import (
+        bench_cmd,
+        chat_cmd,
+        completions,
+        config_cmd,
+        doctor_cmd,
+        engine_cmd,
+        keys_cmd,
+        models_cmd,
+        serve_cmd,
+    )
 
     for command in (serve_cmd.serve, serve_cmd.stop, config_cmd.config, doctor_cmd.doctor,
                     completions.completions, engine_cmd.engine, models_cmd.pull, models_cmd.import_,
                     models_cmd.cp, models_cmd.create, models_cmd.rm, models_cmd.list_, models_cmd.show,
                     models_cmd.mmproj, models_cmd.search, models_cmd.fit, chat_cmd.run, chat_cmd.ps,
-                    bench_cmd.bench):
+                    bench_cmd.bench, keys_cmd.keys, keys_cmd.migrate):
         cli.add_command(command)
     for name, (purpose, waits_for) in PENDING.items():
         if name not in cli.commands:
@@ -132,7 +140,12 @@ _register()
 
 
 def entrypoint() -> None:
+    from blazar.paths import RelativeHome
+
     try:
         cli(_anyio_backend="trio")
     except KeyboardInterrupt:
         sys.exit(130)
+    except RelativeHome as error:
+        print(f"blazar: {error}", file=sys.stderr)
+        sys.exit(78)

@@ -69,12 +69,11 @@ async def stop(model: str | None, as_json: bool, wait_secs: float) -> None:
 
 
 async def _unload(paths: Paths, model: str, as_json: bool) -> None:
-    import httpx
 
-    from blazar.cli.daemon import require_daemon
+    from blazar.cli.daemon import daemon_client, require_daemon
 
     url = await require_daemon(paths)
-    async with httpx.AsyncClient(timeout=60) as client:
+    async with daemon_client(paths, timeout=60) as client:
         response = await client.post(f"{url}/api/evict", json={"model": model})
     if response.status_code != 200:
         fail(f"blazar stop {model}: {response.json().get('error')}", fix="blazar ps lists loaded models")

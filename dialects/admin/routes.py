@@ -43,7 +43,12 @@ async def metrics():
 
 @blueprint.get("/api/quantiles")
 async def quantiles():
-    return _json(current_app.services.obs.quantiles())
+    services = current_app.services
+    usage = await services.admission.usage() if services.admission.gate.table.enabled else {}
+    mine = request.scope.get("blazar.key")
+    if mine is not None and not mine.admin:
+        usage = {name: row for name, row in usage.items() if name == mine.name}
+    return _json({**services.obs.quantiles(), "keys": usage})
 
 
 def _event_stream(kinds: set[str] | None, greeting: bytes) -> Response:

@@ -28,5 +28,5 @@ async def well_known():
         census=census,
         dialect_of=dialect_for_path,
         engine=await trio.to_thread.run_sync(services.engine_identity),
-        keys_enabled=bool(services.config.keys),
+        keys_enabled=services.admission.gate.table.enabled,
     ))

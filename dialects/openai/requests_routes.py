@@ -11,6 +11,14 @@ from supervisors.actor import ActorError
 blueprint = Blueprint("requests", __name__)
 
 
+def _viewer() -> str | None:
+    """A scoped key sees and cancels only its own cards; an admin key (or an open gateway) sees all."""
+    record = request.scope.get("blazar.key")
+    if not request.scope.get("blazar.auth") or record is None or record.admin:
+        return None
+    return record.name
+
+
 def _json(payload) -> Response:
     return Response(msgspec.json.encode(payload), content_type="application/json")
 
@@ -22,14 +30,14 @@ async def list_requests():
                                            "failed"):
         return Refusal(400, f"?state= must be one of queued, running, done, cancelled, interrupted, disconnected, "
                        f"failed; got {state!r}").response(request.path)
-    rows = await current_app.services.requests.list(request.args.get("model"), state)
+    rows = await current_app.services.requests.list(request.args.get("model"), state, _viewer())
     return _json({"object": "list", "data": rows})
 
 
 @blueprint.get("/v1/requests/<card_id>")
 async def get_request(card_id: str):
     try:
-        return _json(await current_app.services.requests.get(card_id))
+        return _json(await current_app.services.requests.get(card_id, _viewer()))
     except ActorError as error:
         return Refusal.from_err(error.err).response(request.path)
 
@@ -46,7 +54,7 @@ async def interrupt_request(card_id: str):
 
 async def _signal(card_id: str, kind: str) -> Response:
     try:
-        card = await current_app.services.requests.signal(card_id, kind)
+        card = await current_app.services.requests.signal(card_id, kind, _viewer())
     except ActorError as error:
         return Refusal.from_err(error.err).response(request.path)
     return _json({**card, "signal": kind})

@@ -8,7 +8,17 @@ import msgspec
 import trio
 from quart import Blueprint, Response, current_app, request
 
-from blazar.relay import Refusal, engine_failure, follow_or_lead, forward, json_reply, refuse, sse_response, tracked
+from blazar.relay import (
+    Refusal,
+    admit_request,
+    engine_failure,
+    follow_or_lead,
+    forward,
+    json_reply,
+    refuse,
+    sse_response,
+    tracked,
+)
 from dialects.chat_core import forced_tool, run_chat
 from supervisors.instance import UpstreamCall, UpstreamReply
 
@@ -72,11 +82,15 @@ async def chat_completions():
         encoded = msgspec.json.encode(body)
         if forced_tool(body) is not None:
             return await _enforced_tool_call(body)
+        # Admitted before singleflight: a follower served from another request's answer still counts.
+        charge = await admit_request(services, model)
     except (RequestError, Refusal) as error:
         return refuse(error)
     flight_key = None if stream else f"{model}\0{request.headers.get('x-blazar-num-ctx', '')}\0{encoded.decode()}"
+    owner = request.scope.get("blazar.key") if request.scope.get("blazar.auth") else None
     control = await services.requests.open(trace_id=request.scope.get("blazar.trace_id", ""), model=model,
-                                           route=request.path, stream=stream, flight_key=flight_key)
+                                           route=request.path, stream=stream, flight_key=flight_key,
+                                           key=owner.name if owner is not None else None)
     started = trio.current_time()
     upstream = UpstreamCall(path="/v1/chat/completions", body=encoded, stream=stream)
     if not stream:
@@ -93,6 +107,9 @@ async def chat_completions():
             if result.status >= 400:
                 raise engine_failure(result)
             payload = msgspec.json.decode(result.body)  # parsed once: stripped, recorded, re-encoded
+            if not led and charge is not None:
+                usage = payload.get("usage") or {}
+                charge(int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0))
             if strip:
                 payload = strip_think_buffered(payload)
             response = Response(msgspec.json.encode(payload), status=result.status, headers=headers,
