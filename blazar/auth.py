@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import trio
 
@@ -94,7 +93,3 @@ class Auth:
             if lease is not None and self.gate.release is not None:
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
                     await self.gate.release(lease)
-
-
-def request_key(scope: dict[str, Any]) -> KeyRecord | None:
-    return scope.get("blazar.key")
