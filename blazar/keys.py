@@ -388,3 +388,12 @@ def redact_entries(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`[[keys]]` as `config list/get` show them: no secret, no hash."""
     return [{**{k: v for k, v in e.items() if k not in ("secret", "secret_hash", "prefix")},
              "secret": redacted(e.get("prefix") or display_prefix(e.get("secret") or ""))} for e in entries]
+
+
+def change_result(table: KeyTable, name: str, secret: str) -> dict[str, Any]:
+    """What a key change answers: the key as listed (or that it is gone), plus a new secret once."""
+    record = table.get(name)
+    out: dict[str, Any] = record.public() if record is not None else {"name": name, "deleted": True}
+    if secret:
+        out["secret"] = secret
+    return out

@@ -104,7 +104,7 @@ async def run_gateway(
         log.warning("stopped %d engine child(ren) left by a previous daemon: pids %s", len(orphans), orphans)
     environ = dict(os.environ if environ is None else environ)
     local_token = await trio.to_thread.run_sync(write_cli_token, paths.run)
-    env_records = [r for r in records_from_config([], environ)]
+    env_records = records_from_config([], environ)
 
     def key_table(entries: list) -> KeyTable:
         return KeyTable([*records_from_config(entries, {}), *env_records], local_token)

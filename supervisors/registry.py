@@ -113,11 +113,7 @@ class RegistryActor(MessageLoop):
             lambda: keyring.change_keys(self.config_file, op, name, live=live, entry=entry))
         table = self.key_table(config.keys)
         await self.admission.set_keys(table)  # from here on a removed or rotated secret is refused
-        record = table.get(name)
-        out: dict[str, Any] = record.public() if record is not None else {"name": name, "deleted": True}
-        if secret:
-            out["secret"] = secret
-        return out
+        return keyring.change_result(table, name, secret)
 
     async def _pull(self, target: str, send: trio.MemorySendChannel) -> None:
         from blazar import pull as puller

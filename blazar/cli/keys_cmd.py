@@ -16,7 +16,15 @@ import trio
 from blazar.cli.daemon import daemon_client, daemon_url, healthy
 from blazar.cli.output import emit_json, fail, note, say
 from blazar.config import ConfigError, ConfigFile
-from blazar.keys import KeyChangeError, KeyTable, change_keys, check_new_key, migrate_document, records_from_config
+from blazar.keys import (
+    KeyChangeError,
+    KeyTable,
+    change_keys,
+    change_result,
+    check_new_key,
+    migrate_document,
+    records_from_config,
+)
 from blazar.paths import Paths
 
 
@@ -55,11 +63,7 @@ def _offline(paths: Paths, op: str, name: str, entry: dict[str, Any] | None = No
         fail(error.message, fix=error.fix)
     except ConfigError as error:
         fail(error.message, fix=error.fix)
-    record = KeyTable(records_from_config(config.keys)).get(name)
-    out = record.public() if record is not None else {"name": name, "deleted": True}
-    if secret:
-        out["secret"] = secret
-    return out
+    return change_result(KeyTable(records_from_config(config.keys)), name, secret)
 
 
 def _print_secret(result: dict[str, Any], as_json: bool, verb: str, live: bool) -> None:
