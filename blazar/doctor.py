@@ -16,6 +16,7 @@ import msgspec
 
 from blazar.config import ConfigError, ConfigFile
 from blazar.paths import Paths
+from blazar.sysinfo import meminfo
 
 GROUPS = ["SYSTEM", "GPU", "ENGINES", "MODELS", "CHANNELS", "RUNTIME"]
 
@@ -26,20 +27,6 @@ class Check(msgspec.Struct, kw_only=True):
     status: str  # ok | info | warn | fail
     detail: str
     fix: str = ""
-
-
-def meminfo() -> dict[str, int]:
-    """/proc/meminfo in bytes (empty off Linux)."""
-    values: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                name, _, rest = line.partition(":")
-                number = rest.strip().split()[0]
-                values[name] = int(number) * 1024
-    except OSError:
-        pass
-    return values
 
 
 def _gib(size: int) -> str:
@@ -202,7 +189,7 @@ def channel_checks(paths: Paths, live_keys: bool | None = None) -> list[Check]:
 
 
 def runtime_checks(paths: Paths, probe_health: Callable[[str], str | None]) -> list[Check]:
-    from blazar.server import read_daemon_file
+    from blazar.paths import read_daemon_file
 
     rows = []
     info = read_daemon_file(paths)

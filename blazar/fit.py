@@ -9,9 +9,9 @@ from typing import Any
 import httpx
 
 from blazar import pull as hub
-from blazar.doctor import meminfo
 from blazar.gguf_info import HeaderTruncated, info_from_header, kv_cache_bytes, parse_header
 from blazar.store import Store, StoreError
+from blazar.sysinfo import meminfo
 
 OVERHEAD_BYTES = 256 * 1024 * 1024  # compute buffers and runtime, measured loosely on llama-server
 

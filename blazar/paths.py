@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,3 +64,13 @@ class Paths:
         for directory in (self.home, self.models, self.engines, self.logs, self.sessions, self.run):
             directory.mkdir(parents=True, exist_ok=True)
         return self
+
+
+def read_daemon_file(paths: Paths) -> dict | None:
+    """The live daemon's address, or None when none is running for this BLAZAR_HOME."""
+    try:
+        info = json.loads(paths.daemon_file.read_text())
+        os.kill(int(info["pid"]), 0)
+    except (OSError, ValueError, KeyError):
+        return None
+    return info

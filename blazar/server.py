@@ -31,7 +31,6 @@ from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
 from blazar import __version__
-from blazar.app import Services, create_app
 from blazar.auth import Auth, KeyGate
 from blazar.config import Config, parse_bind
 from blazar.engines import Roster, sweep_orphans
@@ -39,11 +38,13 @@ from blazar.keys import KeyTable, records_from_config, write_cli_token
 from blazar.middleware import build_stack, loopback_host
 from blazar.observability import Observability
 from blazar.paths import Paths
+from dialects.app import create_app
 from supervisors.actor import supervise
 from supervisors.admission import AdmissionActor, AdmissionClient
 from supervisors.ledger import LedgerActor, LedgerClient
 from supervisors.registry import RegistryActor, RegistryClient
 from supervisors.requests import RequestRegistry, RequestsClient
+from supervisors.services import Services
 from supervisors.text_lane import LaneClient, TextLane
 
 log = logging.getLogger("blazar.serve")
@@ -173,16 +174,6 @@ def _write_daemon_file(paths: Paths, bind: str, port: int) -> None:
     temp = paths.daemon_file.with_suffix(".tmp")
     temp.write_text(json.dumps(info))
     os.replace(temp, paths.daemon_file)
-
-
-def read_daemon_file(paths: Paths) -> dict | None:
-    """The live daemon's address, or None when none is running for this BLAZAR_HOME."""
-    try:
-        info = json.loads(paths.daemon_file.read_text())
-        os.kill(int(info["pid"]), 0)
-    except (OSError, ValueError, KeyError):
-        return None
-    return info
 
 
 async def run_daemon(paths: Paths, config: Config) -> int:

@@ -19,15 +19,8 @@ from typing import Any
 
 import msgspec
 
-from blazar.relay import Refusal, engine_failure, forward
-from dialects.openai.translate import (
-    SSEParser,
-    ThinkFilter,
-    bridge_reasoning,
-    data_of,
-    strip_think_buffered,
-    thinking_requested,
-)
+from dialects.edge import Refusal, engine_failure, forward
+from dialects.wire import SSEParser, ThinkFilter, bridge_reasoning, data_of, strip_think_buffered, thinking_requested
 from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply
 
 

@@ -25,10 +25,10 @@ from typing import Any
 import trio
 
 from blazar.config import Config, parse_duration
-from blazar.doctor import meminfo
 from blazar.engines import EngineError, Roster
 from blazar.paths import Paths
 from blazar.store import Store, StoreError
+from blazar.sysinfo import meminfo
 from lanes.llamacpp import SpawnPlan, plan_context
 
 from .actor import Envelope, Err, MessageLoop, Ok, Reply, call, tell

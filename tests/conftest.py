@@ -19,10 +19,10 @@ import msgspec
 import pytest
 import trio
 
-from blazar.app import Services
 from blazar.config import Config
 from blazar.paths import Paths
 from blazar.server import bind_socket, run_gateway
+from supervisors.services import Services
 
 BLAZAR = str(Path(sys.executable).with_name("blazar"))
 

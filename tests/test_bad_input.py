@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import trio
 
-from blazar.app import create_app, route_census
+from dialects.app import create_app
+from dialects.census import route_census
 
 BODYLESS = {"/api/ps/reset"}  # takes no body: nothing to refuse
 BAD_BODIES = [b"", b"{not json", b"[1, 2]", b'{"model": 5}', b'{"messages": "hi"}']

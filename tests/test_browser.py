@@ -13,12 +13,13 @@ from pathlib import Path
 import msgspec
 import trio
 
-from blazar.app import create_app, route_census
 from blazar.config import LOCAL_ORIGINS, Config
 from blazar.doctor import channel_checks
 from blazar.paths import Paths
 from blazar.server import bind_socket, run_gateway
 from blazar.store import Store
+from dialects.app import create_app
+from dialects.census import route_census
 from tests.conftest import start_gateway
 from tests.fakehub import make_gguf
 
@@ -134,7 +135,7 @@ STREAMS = {"/api/events", "/api/watch"}
 
 
 def test_every_get_route_is_reviewed_as_read_only(home: Paths):
-    from blazar.app import Services
+    from supervisors.services import Services
 
     app = create_app(Services(paths=home, config=Config(), ledger=None, registry=None))
     gets = {path for method, path in route_census(app) if method == "GET"}

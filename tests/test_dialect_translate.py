@@ -7,7 +7,7 @@ import pytest
 from dialects.anthropic import translate as anthropic
 from dialects.chat_core import ToolCallAccumulator, enforce_tools, forced_tool, tool_call_payload
 from dialects.ollama import translate as ollama
-from dialects.openai.translate import RequestError
+from dialects.wire import RequestError
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}

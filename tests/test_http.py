@@ -8,7 +8,7 @@ import re
 import pytest
 import trio
 
-from blazar.app import route_census
+from dialects.census import route_census
 from tests.conftest import start_gateway
 
 
@@ -40,7 +40,7 @@ async def test_manifest_lists_exactly_the_routes_the_router_serves(gateway, nurs
     with trio.fail_after(10):
         async with gateway.client() as client:
             manifest = (await client.get("/.well-known/blazar")).json()
-        from blazar.app import create_app
+        from dialects.app import create_app
 
         live = set(route_census(create_app(gateway.services)))
         listed = {(e["method"], e["path"]) for e in manifest["endpoints"]}

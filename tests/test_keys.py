@@ -11,11 +11,12 @@ import pytest
 import trio
 import trio_websocket
 
-from blazar.app import create_app, route_census
 from blazar.auth import UNAUTHORIZED
 from blazar.config import ConfigFile, KeyEntry
 from blazar.keys import hash_secret, migrate_document, verify_hash
 from blazar.paths import Paths
+from dialects.app import create_app
+from dialects.census import route_census
 from tests.conftest import _EVERY_LOG_LINE, ServeProcess, arun_cli, issued, start_gateway
 
 ADMIN = "plm_" + "a1" * 16

@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 
 from blazar.admission import HeaderError, schedule
-from dialects.openai.translate import (
+from dialects.openai.translate import check_choices, structured_output_receipt
+from dialects.wire import (
     ChatStreamRewriter,
     RequestError,
     ThinkFilter,
     bridge_reasoning,
-    check_choices,
     strip_think_text,
-    structured_output_receipt,
     thinking_requested,
 )
 

@@ -54,8 +54,7 @@ add_completion_class(PowerShellComplete)
 @click.argument("shell", type=click.Choice(["bash", "zsh", "fish", "powershell"]))
 async def completions(shell: str) -> None:
     """Shell completions to stdout: eval "$(blazar completions bash)"."""
-    from blazar.cli.main import cli
-
+    root = click.get_current_context().find_root().command  # the whole `blazar` tree, without importing main
     complete_class = get_completion_class(shell)
-    completer = complete_class(cli, {}, "blazar", COMPLETE_VAR)
+    completer = complete_class(root, {}, "blazar", COMPLETE_VAR)
     click.echo(completer.source())

@@ -14,7 +14,7 @@ from blazar.paths import Paths
 
 
 def daemon_url(paths: Paths) -> str | None:
-    from blazar.server import read_daemon_file
+    from blazar.paths import read_daemon_file
 
     info = read_daemon_file(paths)
     if info is not None:

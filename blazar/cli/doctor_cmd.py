@@ -57,7 +57,7 @@ async def doctor(flat: bool, as_json: bool) -> None:
 
 async def _live_keys(paths: Paths) -> bool | None:
     """Whether the running daemon's auth middleware enforces keys (its manifest), or None."""
-    from blazar.server import read_daemon_file
+    from blazar.paths import read_daemon_file
 
     info = read_daemon_file(paths)
     if info is None:
@@ -71,7 +71,7 @@ async def _live_keys(paths: Paths) -> bool | None:
 
 async def _runtime_probe(paths: Paths) -> list[Check]:
     """RUNTIME checks that ask the running daemon itself: residents, breakers, latency, engine."""
-    from blazar.server import read_daemon_file
+    from blazar.paths import read_daemon_file
 
     info = read_daemon_file(paths)
     if info is None:
@@ -105,7 +105,7 @@ async def _runtime_probe(paths: Paths) -> list[Check]:
 
 async def _probe_health_async(paths: Paths) -> dict[str, str | None]:
     """Probe a running daemon's /healthz up front, on the trio thread, with a short deadline."""
-    from blazar.server import read_daemon_file
+    from blazar.paths import read_daemon_file
 
     info = read_daemon_file(paths)
     if info is None:

@@ -43,7 +43,7 @@ async def serve(bind: str | None) -> None:
               help="Seconds to wait for the daemon to exit.")
 async def stop(model: str | None, as_json: bool, wait_secs: float) -> None:
     """Stop the daemon; with MODEL, unload that model now."""
-    from blazar.server import read_daemon_file
+    from blazar.paths import read_daemon_file
 
     paths = Paths.from_env()
     if model:

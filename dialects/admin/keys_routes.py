@@ -9,7 +9,7 @@ import msgspec
 from quart import Blueprint, Response, current_app, request
 
 from blazar.keys import KeyChangeError, check_new_key
-from blazar.relay import Refusal
+from dialects.edge import Refusal
 from supervisors.actor import ActorError, ActorUnavailable
 
 blueprint = Blueprint("keys", __name__)

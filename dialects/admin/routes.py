@@ -12,8 +12,8 @@ import msgspec
 import trio
 from quart import Blueprint, Response, current_app, request
 
-from blazar.doctor import meminfo
-from blazar.relay import Refusal, num_ctx_header
+from blazar.sysinfo import meminfo
+from dialects.edge import Refusal, num_ctx_header
 from supervisors.actor import ActorError
 
 blueprint = Blueprint("admin", __name__)

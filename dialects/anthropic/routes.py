@@ -8,10 +8,10 @@ from typing import Any
 import msgspec
 from quart import Blueprint, Response, current_app, request
 
-from blazar.relay import Refusal, refuse
 from dialects.chat_core import StreamBroken, run_chat
+from dialects.edge import Refusal, refuse
 from dialects.openai.routes import count_input_tokens
-from dialects.openai.translate import RequestError, decode_object
+from dialects.wire import RequestError, decode_object
 
 from . import translate as t
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from dialects.openai.translate import RequestError
+from dialects.wire import RequestError
 
 
 def _text_of(blocks: Any, where: str) -> str:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import msgspec
 from quart import Blueprint, Response, current_app, request
 
-from blazar.relay import Refusal, forward, json_reply, sse_response
+from dialects.edge import Refusal, forward, json_reply, sse_response
 from dialects.openai.routes import openai_error_frame
-from dialects.openai.translate import ChatStreamRewriter
+from dialects.wire import ChatStreamRewriter
 from supervisors.instance import UpstreamCall, UpstreamReply
 
 blueprint = Blueprint("native_engine", __name__)

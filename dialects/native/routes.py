@@ -6,8 +6,9 @@ import trio
 from quart import Blueprint, current_app
 
 from blazar import __version__
-from blazar.app import json_response, route_census
 from blazar.errors import dialect_for_path
+from dialects.census import route_census
+from dialects.edge import json_response
 from dialects.native.manifest import build_manifest
 
 blueprint = Blueprint("native", __name__)

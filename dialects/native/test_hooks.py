@@ -9,7 +9,7 @@ from __future__ import annotations
 import trio
 from quart import Blueprint, request
 
-from blazar.app import json_response
+from dialects.edge import json_response
 
 blueprint = Blueprint("test_hooks", __name__)
 

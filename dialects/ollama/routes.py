@@ -12,9 +12,9 @@ from quart import Blueprint, Response, current_app, request
 
 from blazar import __version__
 from blazar.config import ConfigError, parse_duration
-from blazar.relay import Refusal, forward, refuse
 from dialects.chat_core import StreamBroken, ToolCallAccumulator, run_chat
-from dialects.openai.translate import RequestError, decode_object
+from dialects.edge import Refusal, forward, refuse
+from dialects.wire import RequestError, decode_object
 from supervisors.actor import ActorError
 from supervisors.instance import UpstreamCall
 
@@ -222,7 +222,7 @@ async def _raw_completion(services: Any, canonical: dict[str, Any], prompt: str,
         request.headers, keep_alive=keep_alive, num_ctx=num_ctx)
     if isinstance(result, UpstreamReply):
         if result.status >= 400:
-            from blazar.relay import engine_failure
+            from dialects.edge import engine_failure
 
             raise engine_failure(result)
         return ChatResult(payload=msgspec.json.decode(result.body))

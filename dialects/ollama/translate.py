@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from dialects.openai.translate import RequestError
+from dialects.wire import RequestError
 
 # Ollama `options` -> OpenAI/llama-server request fields.
 OPTION_FIELDS = {

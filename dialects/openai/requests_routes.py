@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 from quart import Blueprint, Response, current_app, request
 
-from blazar.relay import Refusal
+from dialects.edge import Refusal
 from supervisors.actor import ActorError
 
 blueprint = Blueprint("requests", __name__)

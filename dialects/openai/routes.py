@@ -8,7 +8,8 @@ import msgspec
 import trio
 from quart import Blueprint, Response, current_app, request
 
-from blazar.relay import (
+from dialects.chat_core import forced_tool, run_chat
+from dialects.edge import (
     Refusal,
     admit_request,
     engine_failure,
@@ -19,22 +20,18 @@ from blazar.relay import (
     sse_response,
     tracked,
 )
-from dialects.chat_core import forced_tool, run_chat
-from supervisors.instance import UpstreamCall, UpstreamReply
-
-from .translate import (
+from dialects.wire import (
     ChatStreamRewriter,
     RequestError,
     bridge_reasoning,
-    check_chat,
-    check_choices,
-    check_metadata,
     decode_object,
     require_model,
     strip_think_buffered,
-    structured_output_receipt,
     thinking_requested,
 )
+from supervisors.instance import UpstreamCall, UpstreamReply
+
+from .translate import check_chat, check_choices, check_metadata, structured_output_receipt
 
 blueprint = Blueprint("openai", __name__)
 

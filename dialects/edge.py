@@ -251,3 +251,8 @@ def sse_response(stream: UpstreamStream, rewrite: Callable[[bytes], bytes], erro
                         headers={"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})})
     response.timeout = None  # quart-trio would cut a stream at 60 s
     return response
+
+
+def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(payload), status=status, headers=headers,
+                    content_type="application/json")

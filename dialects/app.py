@@ -1,0 +1,63 @@
+"""The HTTP app: a QuartTrio app whose routes are mailboxes into the actor tree."""
+
+from __future__ import annotations
+
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
+
+from blazar.errors import error_bytes
+from blazar.middleware import test_hooks_enabled
+from supervisors.services import Services
+
+from .admin.keys_routes import blueprint as keys
+from .admin.routes import blueprint as admin
+from .anthropic.routes import blueprint as anthropic
+from .census import closest_routes
+from .native.engine_routes import blueprint as native_engine
+from .native.routes import blueprint as native
+from .ollama.routes import blueprint as ollama
+from .openai.requests_routes import blueprint as request_cards
+from .openai.routes import blueprint as openai
+
+
+class BlazarApp(QuartTrio):
+    services: Services
+
+
+def create_app(services: Services) -> BlazarApp:
+    app = BlazarApp("blazar", static_folder=None)
+    app.services = services
+    # The body cap is enforced by the BodyLimit middleware while reading; Quart's own check
+    # would only look at Content-Length.
+    app.config["MAX_CONTENT_LENGTH"] = None
+    app.config["BODY_TIMEOUT"] = None
+    app.config["RESPONSE_TIMEOUT"] = None
+    for blueprint in (native, openai, request_cards, native_engine, ollama, anthropic, admin, keys):
+        app.register_blueprint(blueprint)
+    if test_hooks_enabled():
+        from .native.test_hooks import blueprint as hooks  # only with BLAZAR_TEST_HOOKS=1
+
+        app.register_blueprint(hooks)
+
+    @app.errorhandler(HTTPException)
+    async def teach_http_error(error: HTTPException) -> Response:
+        method, path = request.method, request.path
+        if isinstance(error, NotFound):
+            close = closest_routes(app, method, path)
+            hint = f" Closest routes: {', '.join(close)}." if close else ""
+            message = (f"no route {method} {path}.{hint} GET /.well-known/blazar lists every route "
+                       "this gateway serves.")
+            return Response(error_bytes(path, 404, message, closest=close), status=404,
+                            content_type="application/json")
+        if isinstance(error, MethodNotAllowed):
+            allowed = sorted(set(error.valid_methods or []) - {"HEAD", "OPTIONS"})
+            message = f"{path} does not accept {method}; use {' or '.join(allowed)}."
+            return Response(error_bytes(path, 405, message), status=405,
+                            headers={"allow": ", ".join(allowed)}, content_type="application/json")
+        status = error.code or 500
+        return Response(error_bytes(path, status, error.description or error.name), status=status,
+                        content_type="application/json")
+
+    return app
+

@@ -1,0 +1,39 @@
+"""What routes may reach: the actor clients and the read-only facts, typed with the real classes.
+
+Built once by the composition root (`blazar/server.py`, or a test's app factory) and handed to the app.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from blazar.config import Config
+from blazar.middleware import TraceIds
+from blazar.observability import Observability
+from blazar.paths import Paths
+
+from .admission import AdmissionClient
+from .ledger import LedgerClient
+from .registry import RegistryClient
+from .requests import RequestsClient
+from .text_lane import LaneClient
+
+
+@dataclass
+class Services:
+    """What routes may reach: actor mailboxes (through clients) and read-only facts."""
+
+    paths: Paths
+    config: Config
+    ledger: LedgerClient
+    registry: RegistryClient
+    trace_ids: TraceIds = field(default_factory=TraceIds)
+    started_at: float = field(default_factory=time.time)
+    engine_identity: Callable[[], dict[str, Any] | None] = lambda: None
+    lane: LaneClient | None = None
+    requests: RequestsClient | None = None
+    obs: Observability | None = None
+    admission: AdmissionClient | None = None  # its gate holds the live key table
