@@ -82,6 +82,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     queue_wait_secs: float = 60.0
     spawn_timeout_secs: float = 120.0
     spawn_mem_floor_mib: int = 512
+    breaker_cooldown_secs: float = 60.0
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     models: dict[str, ModelSettings] = {}
     keys: list[KeyEntry] = []
@@ -100,6 +101,8 @@ KEY_DOCS: dict[str, str] = {
     "queue_wait_secs": "longest a request waits for a free slot before a 503 all_slots_busy",
     "spawn_timeout_secs": "how long an engine child may take to load before the request gets a 502",
     "spawn_mem_floor_mib": "MemAvailable that must remain after loading a model",
+    "breaker_cooldown_secs": "after a model's engine crashed 3 times in 5 minutes, how long before one probe request "
+                             "may start it again (doubles per failed probe, up to 15 minutes)",
     "engine.retention": "engines kept by `engine prune` besides the active one",
     "engine.update_tolerance_pct": "largest tokens/s regression `engine update` accepts",
     "models.<name>.num_ctx": "context length for that model",
@@ -306,6 +309,7 @@ def _check_semantics(config: Config, source: str) -> None:
                         ("queue_wait_secs", config.queue_wait_secs),
                         ("ram_budget_mib", config.ram_budget_mib),
                         ("spawn_mem_floor_mib", config.spawn_mem_floor_mib),
+                        ("breaker_cooldown_secs", config.breaker_cooldown_secs),
                         ("engine.retention", config.engine.retention)):
         if number < 0:
             raise ConfigError(f"{source}: {key} is {number}; it must not be negative",

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from blazar import engine_build, quickbench
+from blazar import engine_build
 from blazar.config import ConfigFile
 from blazar.engines import EngineEntry, EngineError, Roster
 from blazar.ledger import execute, open_ledger
@@ -54,11 +54,24 @@ def gate_model(paths: Paths) -> tuple[str, Path]:
         raise EngineError(error.message, error.fix) from None
 
 
-def run_gate(paths: Paths, old: EngineEntry, new: EngineEntry, tolerance_pct: float) -> dict[str, Any]:
+# How one engine binary is measured on one model: lanes.quickbench.measure, passed in by the composition root.
+Measure = Callable[[Path, Path], dict[str, Any]]
+
+
+def gate_verdict(old: dict[str, Any], new: dict[str, Any], tolerance_pct: float) -> dict[str, Any]:
+    """Pass when neither prompt nor generation speed fell by more than `tolerance_pct`."""
+    floor = 1 - tolerance_pct / 100
+    ratios = {"pp_ratio": new["pp_tps"] / old["pp_tps"], "tg_ratio": new["tg_tps"] / old["tg_tps"]}
+    return {**ratios, "tolerance_pct": tolerance_pct,
+            "passed": ratios["pp_ratio"] >= floor and ratios["tg_ratio"] >= floor}
+
+
+def run_gate(paths: Paths, old: EngineEntry, new: EngineEntry, tolerance_pct: float,
+             measure: Measure) -> dict[str, Any]:
     model_name, model_path = gate_model(paths)
-    old_figures = quickbench.measure(Path(old.binary), model_path)
-    new_figures = quickbench.measure(Path(new.binary), model_path)
-    verdict = quickbench.gate(old_figures, new_figures, tolerance_pct)
+    old_figures = measure(Path(old.binary), model_path)
+    new_figures = measure(Path(new.binary), model_path)
+    verdict = gate_verdict(old_figures, new_figures, tolerance_pct)
     ledger = open_ledger(paths.ledger)
     try:
         for entry, figures in ((old, old_figures), (new, new_figures)):
@@ -72,7 +85,7 @@ def run_gate(paths: Paths, old: EngineEntry, new: EngineEntry, tolerance_pct: fl
             **verdict}
 
 
-def update(paths: Paths, *, gate: bool, progress: engine_build.Progress,
+def update(paths: Paths, *, gate: bool, progress: engine_build.Progress, measure: Measure,
            build: Callable[..., EngineEntry] = engine_build.build) -> dict[str, Any]:
     status = check(paths)
     if not status["update_available"]:
@@ -86,7 +99,7 @@ def update(paths: Paths, *, gate: bool, progress: engine_build.Progress,
         roster.use(new.tag)
         return {**status, "action": "activated", "new": new.tag, "gate": None}
     tolerance = ConfigFile(paths.config).load().engine.update_tolerance_pct
-    verdict = run_gate(paths, old, new, tolerance)
+    verdict = run_gate(paths, old, new, tolerance, measure)
     if verdict["passed"]:
         roster.use(new.tag)
         return {**status, "action": "activated", "new": new.tag, "gate": verdict}

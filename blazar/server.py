@@ -39,13 +39,14 @@ from blazar.middleware import build_stack, loopback_host
 from blazar.observability import Observability
 from blazar.paths import Paths
 from dialects.app import create_app
+from lanes import LANES
 from supervisors.actor import supervise
 from supervisors.admission import AdmissionActor, AdmissionClient
+from supervisors.lane import LaneClient, LaneSupervisor
 from supervisors.ledger import LedgerActor, LedgerClient
 from supervisors.registry import RegistryActor, RegistryClient
 from supervisors.requests import RequestRegistry, RequestsClient
 from supervisors.services import Services
-from supervisors.text_lane import LaneClient, TextLane
 
 log = logging.getLogger("blazar.serve")
 
@@ -122,8 +123,10 @@ async def run_gateway(
             supervise, lambda: AdmissionActor(gate, ledger, clock=clock, obs=obs), mailbox_size=4096)), gate)
         registry = RegistryClient(await root.start(partial(
             supervise, lambda: RegistryActor(paths, admission=admission, key_table=key_table))))
+        text_lane = LANES["llamacpp"]
         lane = LaneClient(await root.start(partial(
-            supervise, lambda: TextLane(paths, config, ledger=ledger, obs=obs), mailbox_size=1024)))
+            supervise, lambda: LaneSupervisor(text_lane, paths, config, ledger=ledger, obs=obs),
+            mailbox_size=1024)), text_lane)
         requests = RequestsClient(await root.start(partial(supervise, RequestRegistry, mailbox_size=4096)))
         services = Services(paths=paths, config=config, ledger=ledger, registry=registry,
                             engine_identity=Roster(paths).identity, lane=lane, requests=requests, obs=obs,

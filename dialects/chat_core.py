@@ -129,7 +129,7 @@ async def tool_call_chunks(payload: dict[str, Any]) -> AsyncIterator[dict[str, A
 
 
 async def run_chat(services: Any, body: dict[str, Any], headers: Any, *, keep_alive: float | None = None,
-                   num_ctx: int | None = None) -> ChatResult:
+                   num_ctx: int | None = None, spawn_options: dict[str, Any] | None = None) -> ChatResult:
     """`body` is an OpenAI chat request with `model` and `messages` already validated."""
     model = body["model"]
     strip = not thinking_requested(body)
@@ -140,7 +140,7 @@ async def run_chat(services: Any, body: dict[str, Any], headers: Any, *, keep_al
         rewritten = enforce_tools(body, plan)
         reply = await forward(services, model, UpstreamCall(path="/v1/chat/completions",
                                                             body=msgspec.json.encode(rewritten)), headers,
-                              keep_alive=keep_alive, num_ctx=num_ctx)
+                              keep_alive=keep_alive, num_ctx=num_ctx, spawn_options=spawn_options)
         if reply.status >= 400:
             raise engine_failure(reply)
         payload = tool_call_payload(msgspec.json.decode(reply.body))
@@ -152,7 +152,7 @@ async def run_chat(services: Any, body: dict[str, Any], headers: Any, *, keep_al
         body = {**body, "stream_options": {"include_usage": True, **(body.get("stream_options") or {})}}
     result = await forward(services, model, UpstreamCall(path="/v1/chat/completions", body=msgspec.json.encode(body),
                                                         stream=stream), headers, keep_alive=keep_alive,
-                           num_ctx=num_ctx)
+                           num_ctx=num_ctx, spawn_options=spawn_options)
     if isinstance(result, UpstreamReply):
         if result.status >= 400:
             raise engine_failure(result)
@@ -168,7 +168,7 @@ async def _chunks(stream: Any, strip: bool) -> AsyncIterator[dict[str, Any]]:
         async for item in stream.chunks:
             if isinstance(item, StreamFailure):
                 raise StreamBroken(item.message)
-            for event in parser.feed(item):
+            for event in parser.feed(item.data):
                 data = data_of(event)
                 if data is None or data == b"[DONE]":
                     continue

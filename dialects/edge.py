@@ -17,7 +17,8 @@ from quart import Response
 
 from blazar.admission import HeaderError, schedule
 from blazar.errors import error_bytes
-from lanes.llamacpp import engine_error_text
+from dialects.wire import RequestError, check_choices
+from lanes.base import PlanRefused
 from supervisors.actor import ActorError, ActorUnavailable, Err, call, tell
 from supervisors.instance import (
     StreamFailure,
@@ -28,6 +29,7 @@ from supervisors.instance import (
     Withdraw,
     next_ticket,
 )
+from supervisors.lane import Handle
 
 REQUEST_CALL_LIMIT_SECS = 3600.0  # the longest a single generation may take end to end
 
@@ -109,23 +111,47 @@ def num_ctx_header(headers: Any) -> int | None:
     return int(raw)
 
 
-async def forward(services: Any, model: str, upstream: UpstreamCall, headers: Any,
-                  keep_alive: float | None = None, num_ctx: int | None = None) -> UpstreamReply | UpstreamStream:
-    """Raises Refusal for anything the client should hear as an error."""
-    _tag_model(model)
-    on_usage = await admit_request(services, model)
+RETRIED_CODES = ("model_unloading", "model_unloaded")  # the child went away before the request reached it
+
+
+def _refused(services: Any, model: str, err: Err) -> Refusal:
+    if err.status in (503, 507) and services.obs is not None:
+        services.obs.event("refused", model, status=err.status, code=err.code, message=err.message, fix=err.hint)
+    return Refusal.from_err(err)
+
+
+async def ensure_model(services: Any, model: str, headers: Any, num_ctx: int | None = None,
+                       spawn_options: dict[str, Any] | None = None) -> Handle:
+    """The model's instance (loading it if needed), or a Refusal."""
     if num_ctx is None:
         num_ctx = num_ctx_header(headers)
     try:
-        handle = await services.lane.ensure(model, num_ctx)
+        handle = await services.lane.ensure(model, num_ctx, spawn_options)
     except ActorError as error:
-        if error.err.status in (503, 507) and services.obs is not None:
-            services.obs.event("refused", model, status=error.err.status, code=error.err.code,
-                               message=error.err.message, fix=error.err.hint)
-        raise Refusal.from_err(error.err) from None
+        raise _refused(services, model, error.err) from None
     except ActorUnavailable as error:
-        raise Refusal(503, f"the text lane did not answer: {error}", hint="retry in a moment") from None
+        raise Refusal(503, f"the lane did not answer: {error}", hint="retry in a moment") from None
     _tag_model(handle.key)
+    return handle
+
+
+def with_default_system(handle: Handle, upstream: UpstreamCall) -> UpstreamCall:
+    """A Modelfile SYSTEM is the system message of a chat request that has none."""
+    system = getattr(handle.plan, "system", None)
+    if not system or upstream.path != "/v1/chat/completions":
+        return upstream
+    body = msgspec.json.decode(upstream.body)
+    messages = body.get("messages") or []
+    if any(isinstance(m, dict) and m.get("role") in ("system", "developer") for m in messages):
+        return upstream
+    body["messages"] = [{"role": "system", "content": system}, *messages]
+    return msgspec.structs.replace(upstream, body=msgspec.json.encode(body))
+
+
+async def submit(services: Any, handle: Handle, upstream: UpstreamCall, headers: Any, *,
+                 keep_alive: float | None = None,
+                 on_usage: Callable[[int], None] | None = None) -> UpstreamReply | UpstreamStream:
+    """One request into an instance's queue, with the client's schedule; withdrawn if the client leaves."""
     now = trio.current_time()
     try:
         plan = schedule(now, priority=headers.get("x-blazar-priority"), deadline_ms=headers.get("x-blazar-deadline-ms"),
@@ -133,15 +159,13 @@ async def forward(services: Any, model: str, upstream: UpstreamCall, headers: An
     except HeaderError as error:
         raise Refusal(400, str(error)) from None
     ticket = next_ticket()
+    upstream = with_default_system(handle, upstream)
     try:
         return await call(handle.mailbox, lambda reply: Submit(
             reply=reply, ticket=ticket, call=upstream, due=plan.due, expire_at=plan.expire_at,
             keep_alive=keep_alive, on_usage=on_usage), within=REQUEST_CALL_LIMIT_SECS)
     except ActorError as error:
-        if error.err.status in (503, 507) and services.obs is not None:
-            services.obs.event("refused", handle.key, status=error.err.status, code=error.err.code,
-                               message=error.err.message, fix=error.err.hint)
-        raise Refusal.from_err(error.err) from None
+        raise _refused(services, handle.key, error.err) from None
     except ActorUnavailable as error:
         raise Refusal(502, f"{handle.key}'s instance stopped answering: {error}") from None
     except BaseException:
@@ -149,8 +173,48 @@ async def forward(services: Any, model: str, upstream: UpstreamCall, headers: An
         raise
 
 
+async def forward(services: Any, model: str, upstream: UpstreamCall, headers: Any,
+                  keep_alive: float | None = None, num_ctx: int | None = None,
+                  spawn_options: dict[str, Any] | None = None, choices: int = 1) -> UpstreamReply | UpstreamStream:
+    """Admit, ensure, submit. A request whose child was stopped before it reached it (an eviction, a
+    context restart) is placed once more on the model's next child. Raises Refusal for the client."""
+    _tag_model(model)
+    lane = services.lane.lane
+    if choices > lane.max_choices:  # refused before anything loads
+        try:
+            check_choices({"n": choices}, lane=lane.kind, ceiling=lane.max_choices)
+        except RequestError as error:
+            raise Refusal(400, error.message) from None
+    on_usage = await admit_request(services, model)
+    for attempt in (1, 2):
+        handle = await ensure_model(services, model, headers, num_ctx, spawn_options)
+        try:
+            return await submit(services, handle, upstream, headers, keep_alive=keep_alive, on_usage=on_usage)
+        except Refusal as refusal:
+            if attempt == 2 or refusal.code not in RETRIED_CODES:
+                raise
+    raise AssertionError("unreachable")
+
+
+async def count_input_tokens(services: Any, model: str, chat: dict[str, Any], headers: Any) -> int:
+    """What a chat prompt really costs, counted the model's lane's way on its own child."""
+    _tag_model(model)
+    on_usage = await admit_request(services, model)
+    handle = await ensure_model(services, model, headers)
+
+    async def ask(method: str, path: str, body: bytes) -> tuple[int, bytes]:
+        reply = await submit(services, handle, UpstreamCall(method=method, path=path, body=body), headers,
+                             on_usage=on_usage)
+        return reply.status, reply.body
+
+    try:
+        return await handle.lane.count_prompt_tokens(ask, chat)
+    except PlanRefused as error:
+        raise Refusal(error.status, error.message, hint=error.fix) from None
+
+
 def engine_failure(reply: UpstreamReply) -> Refusal:
-    text = engine_error_text(reply.body)
+    text = reply.engine_message or reply.body.decode(errors="replace")[:2000]
     if 400 <= reply.status < 500:
         return Refusal(reply.status, f"the engine refused the request: {text}")
     return Refusal(502, f"the engine failed ({reply.status}): {text}")
@@ -239,7 +303,7 @@ def sse_response(stream: UpstreamStream, rewrite: Callable[[bytes], bytes], erro
                         state = "failed"
                         yield error_frame(item.message)
                         return
-                    out = rewrite(item)
+                    out = rewrite(item.data)
                     if out:
                         yield out
         finally:

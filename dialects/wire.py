@@ -186,3 +186,20 @@ class ChatStreamRewriter:
         if not changed:
             return event + b"\n\n"
         return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+MAX_CHOICES = 8  # the API contract
+
+
+def check_choices(body: dict[str, Any], *, lane: str | None = None, ceiling: int = MAX_CHOICES) -> int:
+    """`n` within the API contract, and within what the lane serves once the model's lane is known
+    (the forwarder checks that against the instance's lane)."""
+    n = body.get("n", 1)
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise RequestError(f"`n` must be an integer from 1 to {MAX_CHOICES}, got {n!r}", param="n")
+    if n > ceiling:
+        raise RequestError(f"`n` is {n}, but the {lane} lane serves at most {ceiling} choices per request; "
+                           f"ask for n ≤ {ceiling} and send more requests for more choices", param="n")
+    return n

@@ -1,1 +1,15 @@
-"""One module per engine kind: how to build, spawn, probe and talk to it. No trio state here."""
+"""The lanes Blazar serves, by kind. Adding a lane is one module (see lanes/base.py) and one line here."""
+
+from __future__ import annotations
+
+from .base import Lane
+from .llamacpp import LlamaCppLane
+
+LANES: dict[str, Lane] = {
+    "llamacpp": LlamaCppLane(),
+}
+
+
+def lane_for(manifest: object) -> Lane:
+    """The lane that serves an installed model (every GGUF is llama.cpp's today)."""
+    return LANES["llamacpp"]

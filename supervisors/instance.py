@@ -1,22 +1,28 @@
-"""The Instance actor: one engine child process serving one resident model.
+"""The Instance actor: one engine child process serving one resident model, for any lane.
 
-Lifecycle (only `_loop` changes `self.state`):
+Lifecycle (only the loop changes `self.state`; `TRANSITIONS` below is the whole table, and
+tests/test_instance_table.py walks every (state, message) pair of it):
 
-    starting --Ready--> ready <--> busy --Stop--> draining --(in-flight done)--> stopping --> stopped
-    starting --SpawnFailed--> failed            ready/busy --Exited(crash)--> failed --> stopped
+    starting --Ready--> ready <--> busy --Stop--> draining --(in-flight and queued done)--> stopping --> stopped
+    starting --Stop--> stopping (queued requests get 503 model_unloading at once: the forwarder retries them)
+    starting --SpawnFailed--> failed           ready/busy/draining --Exited--> failed --> stopping --> stopped
 
-- starting: the child is spawned in its own process group with its output drained into a bounded
-  ring; `/health` is polled racing the child's exit and the spawn deadline. Requests queue.
-- ready/busy: requests are admitted into the child's slots in earliest-deadline order (priority
-  tiers or a strict client deadline); a request that waits past its bound gets 503 all_slots_busy;
-  one whose client leaves is withdrawn at once. The idle TTL counts only with nothing in flight.
+- starting: the child (lanes.child.EngineProcess) is spawned in its own process group, its output in a
+  bounded ring; the lane's health path is polled racing the child's exit and the spawn deadline.
+  Requests queue.
+- ready/busy: requests are admitted into the child's slots in earliest-deadline order (priority tiers
+  or a strict client deadline); one that waits past its bound gets 503 all_slots_busy; one whose
+  client leaves is withdrawn at once. The idle TTL counts only with nothing in flight.
 - draining: no new requests; the ones in flight or queued finish, then the child stops.
 - stopping: SIGTERM to the group, grace, SIGKILL, always reaped; the pidfile goes with it.
 - failed: queued requests get a 502 carrying the engine's own last lines.
 
 Each admitted request runs as a task in this actor's nursery: it talks to the child over HTTP and
-hands the caller either the whole answer or a bounded channel of stream chunks. A caller that stops
-reading closes the channel, which closes the upstream request, so the engine stops generating.
+hands the caller either the whole answer or a bounded channel of `StreamChunk`s (then maybe one
+`StreamFailure`). A caller that stops reading closes the channel, which closes the upstream request,
+so the engine stops generating. Child tasks report back with messages; the lane hears every state
+change as an `InstanceEvent` carrying a snapshot, and never reads this actor's attributes.
+An exception inside this actor is reported to the lane as a crash of this model, never raised into it.
 """
 
 from __future__ import annotations
@@ -27,28 +33,28 @@ import heapq
 import itertools
 import json
 import logging
-import os
-import signal
-import socket
-import subprocess
 import time
-from collections import deque
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
 import trio
 
-from lanes.llamacpp import HEALTH_PATH, SpawnPlan
+from lanes.base import Lane
+from lanes.child import ChildFailed, EngineProcess, free_port
 
 from .actor import Envelope, Err, Ok, answer, tell
 
 log = logging.getLogger("blazar.instance")
 
-OUTPUT_RING_BYTES = 64 * 1024
 STOP_GRACE_SECS = 5.0
 STREAM_BUFFER = 32
+
+__all__ = ["free_port"]
 
 
 class State(enum.StrEnum):
@@ -75,72 +81,110 @@ class UpstreamCall(msgspec.Struct, frozen=True, kw_only=True):
 class UpstreamReply(msgspec.Struct, frozen=True, kw_only=True):
     status: int
     body: bytes
-    content_type: str = "application/json"
-    queued_secs: float = 0.0
+    content_type: str
+    queued_secs: float
+    engine_message: str = ""  # for a 4xx/5xx: the engine's own words, read by its lane
 
 
-@dataclass(frozen=True)
-class StreamFailure:
+class StreamChunk(msgspec.Struct, frozen=True, kw_only=True):
+    data: bytes
+
+
+class StreamFailure(msgspec.Struct, frozen=True, kw_only=True):
     """Last item on a stream channel when the engine broke mid-stream."""
 
     message: str
 
 
-@dataclass
-class UpstreamStream:
+class UpstreamStream(msgspec.Struct, frozen=True, kw_only=True):
     status: int
-    chunks: trio.MemoryReceiveChannel  # bytes, then maybe one StreamFailure
+    chunks: Any  # trio.MemoryReceiveChannel[StreamChunk | StreamFailure]
+    queued_secs: float
     content_type: str = "text/event-stream"
-    queued_secs: float = 0.0
 
 
-class Submit(Envelope, frozen=True, tag="submit"):
-    ticket: int = 0
-    call: UpstreamCall | None = None
-    due: float = 0.0  # EDF key: trio time by which it should start
-    expire_at: float = 0.0  # trio time after which waiting is refused with 503
-    keep_alive: float | None = None
-    on_usage: Any = None  # called with the engine's prompt + completion token count of a generation
+class Submit(Envelope, frozen=True, kw_only=True, tag="submit"):
+    ticket: int
+    call: UpstreamCall
+    due: float  # EDF key: trio time by which it should start
+    expire_at: float  # trio time after which waiting is refused with 503
+    keep_alive: float | None  # a request's own keep_alive (Ollama), or None for the model's
+    on_usage: Callable[[int], None] | None  # charged with the engine's prompt + completion count
 
 
-class Withdraw(Envelope, frozen=True, tag="withdraw"):
-    ticket: int = 0
+class Withdraw(Envelope, frozen=True, kw_only=True, tag="withdraw"):
+    ticket: int
 
 
-class Stop(Envelope, frozen=True, tag="stop"):
-    reason: str = "requested"
+class Stop(Envelope, frozen=True, kw_only=True, tag="stop"):
+    reason: str
     if_idle: bool = False
 
 
-class Describe(Envelope, frozen=True, tag="describe"):
+class Describe(Envelope, frozen=True, kw_only=True, tag="describe"):
     pass
 
 
-class _Ready(Envelope, frozen=True, tag="ready"):
+class _Ready(Envelope, frozen=True, kw_only=True, tag="ready"):
     pass
 
 
-class _SpawnFailed(Envelope, frozen=True, tag="spawn_failed"):
-    reason: str = ""
+class _SpawnFailed(Envelope, frozen=True, kw_only=True, tag="spawn_failed"):
+    reason: str
 
 
-class _Exited(Envelope, frozen=True, tag="exited"):
-    returncode: int = 0
+class _Exited(Envelope, frozen=True, kw_only=True, tag="exited"):
+    returncode: int
 
 
-class _Finished(Envelope, frozen=True, tag="finished"):
-    ticket: int = 0
+class _Finished(Envelope, frozen=True, kw_only=True, tag="finished"):
+    ticket: int
+    clean: bool  # the engine answered without breaking (any HTTP status)
 
 
-class InstanceEvent(Envelope, frozen=True, tag="instance_event"):
-    """Told to the lane on every state change."""
+class _Timer(Envelope, frozen=True, kw_only=True, tag="timer"):
+    """Not mailed: what the loop handles when its next deadline (queue expiry, idle TTL) passes."""
 
-    key: str = ""
-    state: str = ""
-    last_used: float = 0.0
-    detail: str = ""
-    crashed: bool = False
-    serial: int = 0
+
+class InstanceEvent(Envelope, frozen=True, kw_only=True, tag="instance_event"):
+    """Told to the lane on every state change, with everything the lane may show or decide on."""
+
+    key: str
+    serial: int
+    state: str
+    detail: str
+    crashed: bool
+    snapshot: dict[str, Any]
+
+
+# Every (state, message) pair and the states the instance may be in after handling it. A pair the
+# table leaves out is a bug the instance reports as a crash.
+_ANY = frozenset(State)
+_LIVE = frozenset({State.READY, State.BUSY})
+_SAME = {s: frozenset({s}) for s in State}
+TRANSITIONS: dict[tuple[State, type[Envelope]], frozenset[State]] = {}
+for _state in State:
+    TRANSITIONS[(_state, Describe)] = _SAME[_state]
+    TRANSITIONS[(_state, Withdraw)] = _LIVE if _state in _LIVE else _SAME[_state]
+    TRANSITIONS[(_state, Submit)] = _LIVE if _state in _LIVE else _SAME[_state]
+    TRANSITIONS[(_state, _Finished)] = _LIVE if _state in _LIVE else _SAME[_state]
+    TRANSITIONS[(_state, _Timer)] = (_LIVE | {State.DRAINING}) if _state in _LIVE else _SAME[_state]
+    TRANSITIONS[(_state, _Ready)] = _SAME[_state]
+    TRANSITIONS[(_state, _SpawnFailed)] = _SAME[_state]
+    TRANSITIONS[(_state, _Exited)] = _SAME[_state]
+    TRANSITIONS[(_state, Stop)] = _SAME[_state]
+TRANSITIONS.update({
+    (State.STARTING, _Ready): _LIVE,
+    (State.STARTING, _SpawnFailed): frozenset({State.FAILED}),
+    (State.STARTING, _Exited): frozenset({State.FAILED}),
+    (State.STARTING, Stop): frozenset({State.STARTING, State.STOPPING}),  # if_idle refuses while loading
+    (State.READY, _Exited): frozenset({State.FAILED}),
+    (State.BUSY, _Exited): frozenset({State.FAILED}),
+    (State.DRAINING, _Exited): frozenset({State.FAILED}),
+    (State.READY, Stop): frozenset({State.READY, State.DRAINING}),
+    (State.BUSY, Stop): frozenset({State.BUSY, State.DRAINING}),
+})
+TERMINAL = frozenset({State.STOPPING, State.STOPPED})
 
 
 @dataclass(order=True)
@@ -156,27 +200,6 @@ class _Waiter:
     on_usage: Any = field(compare=False, default=None)
 
 
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/completion")
-
-
-def _decode_or_empty(body: bytes) -> dict[str, Any]:
-    try:
-        payload = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        return {}
-    return payload if isinstance(payload, dict) else {}
-
-
-def _final_event(tail: bytes) -> dict[str, Any]:
-    """The last SSE event that carries timings or usage (llama-server puts them in the final chunk)."""
-    for event in reversed(tail.replace(b"\r\n", b"\n").split(b"\n\n")):
-        if b'"timings"' in event or b'"usage"' in event:
-            for line in event.split(b"\n"):
-                if line.startswith(b"data:"):
-                    return _decode_or_empty(line[5:].strip())
-    return {}
-
-
 _tickets = itertools.count(1)
 _serials = itertools.count(1)
 
@@ -185,45 +208,42 @@ def next_ticket() -> int:
     return next(_tickets)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def next_serial() -> int:
+    return next(_serials)
 
 
 class Instance:
-    def __init__(self, key: str, plan: SpawnPlan, *, lane: trio.MemorySendChannel, keep_alive: float,
-                 spawn_timeout: float, children_dir: os.PathLike | None = None,
+    def __init__(self, key: str, plan: Any, *, lane: Lane, report_to: trio.MemorySendChannel, keep_alive: float,
+                 spawn_timeout: float, serial: int, gone: trio.Event, children_dir: Path | None = None,
                  wait_before_spawn: list[trio.Event] | None = None, spawn_delay: float = 0.0,
                  obs: Any = None) -> None:
         self.obs = obs
         self.key = key
         self.name = f"instance[{key}]"
         self.plan = plan
-        self.lane = lane
+        self.engine_lane = lane
+        self.report_to = report_to
         self.keep_alive = keep_alive
         self.spawn_timeout = spawn_timeout
         self.children_dir = children_dir
         self.wait_before_spawn = wait_before_spawn
         self.spawn_delay = spawn_delay
+        self.serial = serial
+        self.gone = gone  # the lane's event: set once the child is reaped and the memory is free
         self.state = State.STARTING
         self.port = 0
-        self.process: trio.Process | None = None
-        self.output: deque[bytes] = deque()
-        self.output_bytes = 0
+        self.child: EngineProcess | None = None
         self.waiting: list[_Waiter] = []
         self.by_ticket: dict[int, _Waiter] = {}
         self.in_flight = 0
         self.served = 0
+        self.clean_answers = 0
         self.last_used = trio.current_time()
         self.started_at = time.time()
         self.ready_at: float | None = None
         self.stop_replies: list[Any] = []
         self.failure = ""
-        self.gone = trio.Event()
-        self.output_closed = trio.Event()
         self.crashed = False
-        self.serial = next(_serials)
         self._reported_state: State | None = None
         self.running: dict[int, trio.CancelScope] = {}  # ticket -> its upstream request, while in flight
         self._seq = itertools.count()
@@ -250,23 +270,29 @@ class Instance:
                         cleanup.shield = True
                         await self._terminate()
                     nursery.cancel_scope.cancel()
+        except Exception as error:  # a bug here is this model's crash, never the lane's
+            log.error("%s failed: %s", self.name, "".join(traceback.format_exception(error)))
+            self.crashed = True
+            self.failure = f"{self.key}'s instance failed inside Blazar: {type(error).__name__}: {error}"
+            with trio.move_on_after(STOP_GRACE_SECS + 5) as cleanup:
+                cleanup.shield = True
+                await self._terminate()
         finally:
             self.state = State.STOPPED
             self._fail_waiters(503, "model_unloaded", f"{self.key} was unloaded before this request started; retry")
             for reply in self.stop_replies:
                 answer(reply, Ok(self.describe()))
             self.gone.set()
-            event = InstanceEvent(key=self.key, state=State.STOPPED, detail=self.failure, crashed=self.crashed,
-                                  serial=self.serial)
+            event = self._event()
             with trio.move_on_after(1) as notify:  # the lane must hear this one; it may be shutting down
                 notify.shield = True
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                    await self.lane.send(event)
+                    await self.report_to.send(event)
 
     # ------------------------------------------------------------ the loop
 
     async def _loop(self, inbox: trio.MemoryReceiveChannel) -> None:
-        while self.state not in (State.STOPPED,):
+        while True:
             if self._should_stop_now():
                 return
             with trio.move_on_at(self._next_wakeup()):
@@ -274,11 +300,24 @@ class Instance:
                     message = await inbox.receive()
                 except trio.EndOfChannel:
                     return
-                self._handle(message)
+                self.handle(message)
                 continue
-            self._on_timer()
+            self.handle(_Timer())
+
+    def handle(self, message: Envelope) -> None:
+        """One message through the transition table."""
+        before = self.state
+        allowed = TRANSITIONS.get((before, type(message)))
+        if allowed is None:
+            raise RuntimeError(f"{self.name}: no transition for {type(message).__name__} in state {before}")
+        self._HANDLERS[type(message)](self, message)
+        if self.state not in allowed:
+            raise RuntimeError(f"{self.name}: {type(message).__name__} moved {before} -> {self.state}, "
+                               f"the table allows {sorted(allowed)}")
 
     def _should_stop_now(self) -> bool:
+        if self.state is State.STOPPING:
+            return True
         if self.state is State.DRAINING and self.in_flight == 0 and not self.waiting:
             return True
         return self.state is State.FAILED and self.in_flight == 0
@@ -291,7 +330,7 @@ class Instance:
             wake = min(wake, self.last_used + self.keep_alive)
         return wake
 
-    def _on_timer(self) -> None:
+    def _on_timer(self, _message: _Timer) -> None:
         now = trio.current_time()
         expired = [w for w in self.waiting if w.expire_at <= now]
         for waiter in expired:
@@ -308,63 +347,79 @@ class Instance:
             log.info("%s idle for %.0fs: evicting", self.key, now - self.last_used)
             self.failure = "idle"
             self.state = State.DRAINING
-            self._report()
+        self._report()
 
-    def _handle(self, message: Envelope) -> None:
-        match message:
-            case Submit():
-                self._submit(message)
-            case Withdraw(ticket=ticket):
-                self._remove_waiter(ticket)
-                scope = self.running.get(ticket)
-                if scope is not None:
-                    scope.cancel()  # the client left mid-request: close the upstream so the engine stops
-                self._report()
-            case _Finished():
-                self.in_flight -= 1
-                self.served += 1
-                self.last_used = trio.current_time()
-                self._dispatch()
-                self._report()
-            case _Ready():
-                if self.state is State.STARTING:
-                    self.state = State.READY
-                    self.ready_at = time.time()
-                    self.last_used = trio.current_time()
-                    log.info("%s ready on port %d (%.1fs)", self.key, self.port, self.ready_at - self.started_at)
-                    self._dispatch()
-                    self._report()
-            case _SpawnFailed(reason=reason):
-                self.failure = reason
-                self.crashed = True
-                self.state = State.FAILED
-                self._report()  # the lane hears of the failure before any client can ask again
-                self._fail_waiters(502, "engine_failed", reason)
-            case _Exited(returncode=code):
-                if self.state not in (State.STOPPING, State.STOPPED, State.FAILED):
-                    tail = self.output_tail()
-                    when = " while loading" if self.state is State.STARTING else ""
-                    self.failure = f"{self.key}'s engine exited with code {code}{when}" + (f":\n{tail}" if tail else "")
-                    log.warning("%s", self.failure)
-                    self.crashed = True
-                    self.state = State.FAILED
-                    self._report()
-                    self._fail_waiters(502, "engine_crashed", self.failure)
-            case Stop(reason=reason, if_idle=if_idle):
-                busy = self.in_flight or self.waiting or self.state is State.STARTING
-                if if_idle and busy:
-                    answer(message.reply, Err("busy", f"{self.key} is busy", status=409))
-                    return
-                self.failure = self.failure or reason
-                if message.reply is not None:
-                    self.stop_replies.append(message.reply)
-                if self.state in (State.READY, State.BUSY, State.STARTING):
-                    self.state = State.DRAINING
-                self._report()
-            case Describe():
-                answer(message.reply, Ok(self.describe()))
+    def _on_withdraw(self, message: Withdraw) -> None:
+        self._remove_waiter(message.ticket)
+        scope = self.running.get(message.ticket)
+        if scope is not None:
+            scope.cancel()  # the client left mid-request: close the upstream so the engine stops
+        self._report()
 
-    def _submit(self, message: Submit) -> None:
+    def _on_finished(self, message: _Finished) -> None:
+        self.in_flight -= 1
+        self.served += 1
+        self.clean_answers += message.clean
+        self.last_used = trio.current_time()
+        self._dispatch()
+        self._report(force=message.clean and self.clean_answers == 1)  # the breaker's probe succeeded
+
+    def _on_ready(self, _message: _Ready) -> None:
+        if self.state is not State.STARTING:
+            return
+        self.state = State.READY
+        self.ready_at = time.time()
+        self.last_used = trio.current_time()
+        log.info("%s ready on port %d (%.1fs)", self.key, self.port, self.ready_at - self.started_at)
+        self._dispatch()
+        self._report()
+
+    def _on_spawn_failed(self, message: _SpawnFailed) -> None:
+        if self.state is not State.STARTING:
+            return
+        self.failure = message.reason
+        self.crashed = True
+        self.state = State.FAILED
+        self._report()  # the lane hears of the failure before any client can ask again
+        self._fail_waiters(502, "engine_failed", message.reason)
+
+    def _on_exited(self, message: _Exited) -> None:
+        if self.state in (State.STOPPING, State.STOPPED, State.FAILED):
+            return
+        tail = self.child.output_tail() if self.child else ""
+        when = " while loading" if self.state is State.STARTING else ""
+        self.failure = f"{self.key}'s engine exited with code {message.returncode}{when}" + (
+            f":\n{tail}" if tail else "")
+        log.warning("%s", self.failure)
+        self.crashed = True
+        self.state = State.FAILED
+        self._report()
+        self._fail_waiters(502, "engine_crashed", self.failure)
+
+    def _on_stop(self, message: Stop) -> None:
+        busy = self.in_flight or self.waiting or self.state is State.STARTING
+        if message.if_idle and busy:
+            answer(message.reply, Err("busy", f"{self.key} is busy", status=409))
+            return
+        if message.reply is not None:
+            self.stop_replies.append(message.reply)
+        if self.state in TERMINAL or self.state in (State.DRAINING, State.FAILED):
+            return
+        self.failure = self.failure or message.reason
+        if self.state is State.STARTING:
+            # Nothing has reached the child yet: the queued requests are told now, not when their wait runs out.
+            self._fail_waiters(503, "model_unloading",
+                               f"{self.key} was stopped ({message.reason}) before it finished loading; retry",
+                               hint="send the request again: it loads the model anew")
+            self.state = State.STOPPING
+        else:
+            self.state = State.DRAINING
+        self._report()
+
+    def _on_describe(self, message: Describe) -> None:
+        answer(message.reply, Ok(self.describe()))
+
+    def _on_submit(self, message: Submit) -> None:
         if self.state in (State.DRAINING, State.STOPPING, State.STOPPED):
             answer(message.reply, Err("model_unloading", f"{self.key} is being unloaded", hint="retry in a moment",
                                       status=503))
@@ -381,6 +436,12 @@ class Instance:
         self.by_ticket[waiter.ticket] = waiter
         self._dispatch()
         self._report()
+
+    _HANDLERS: dict[type[Envelope], Callable[[Instance, Any], None]] = {
+        Submit: _on_submit, Withdraw: _on_withdraw, _Finished: _on_finished, _Ready: _on_ready,
+        _SpawnFailed: _on_spawn_failed, _Exited: _on_exited, Stop: _on_stop, Describe: _on_describe,
+        _Timer: _on_timer,
+    }
 
     def _remove_waiter(self, ticket: int) -> None:
         waiter = self.by_ticket.pop(ticket, None)
@@ -399,41 +460,45 @@ class Instance:
         if self.state is not State.DRAINING:
             self.state = State.BUSY if self.in_flight else State.READY
 
-    def _fail_waiters(self, status: int, code: str, message: str) -> None:
+    def _fail_waiters(self, status: int, code: str, message: str, hint: str = "") -> None:
         for waiter in list(self.waiting):
-            answer(waiter.reply, Err(code, message, status=status))
+            answer(waiter.reply, Err(code, message, hint=hint, status=status))
         self.waiting.clear()
         self.by_ticket.clear()
 
-    def _report(self) -> None:
+    def _event(self) -> InstanceEvent:
+        return InstanceEvent(key=self.key, serial=self.serial, state=str(self.state), detail=self.failure,
+                             crashed=self.crashed, snapshot=self.describe())
+
+    def _report(self, *, force: bool = False) -> None:
         """Tell the lane when the state changed (busy/ready is all its decisions need): one message per
         transition, not per request."""
-        if self.state == self._reported_state:
+        if self.state == self._reported_state and not force:
             return
         self._reported_state = self.state
-        tell(self.lane, InstanceEvent(key=self.key, state=self.state, last_used=self.last_used, detail=self.failure,
-                                      crashed=self.crashed, serial=self.serial))
+        tell(self.report_to, self._event())
 
     def describe(self) -> dict[str, Any]:
         idle_left = None
         if self.state is State.READY and self.in_flight == 0:
             idle_left = max(0.0, self.last_used + self.keep_alive - trio.current_time())
         return {
-            "model": self.key, "state": str(self.state), "port": self.port,
-            "pid": self.process.pid if self.process else None, "engine": self.plan.engine_tag,
+            "model": self.key, "state": str(self.state), "lane": self.engine_lane.kind, "port": self.port,
+            "pid": self.child.pid if self.child else None, "engine": self.plan.engine_tag,
             "context": self.plan.context, "context_source": self.plan.context_source, "slots": self.plan.slots,
             "in_flight": self.in_flight, "queued": len(self.waiting), "served": self.served,
+            "clean_answers": self.clean_answers,
             "keep_alive_secs": None if self.keep_alive == float("inf") else self.keep_alive,
             "idle_expires_in_secs": None if idle_left in (None, float("inf")) else round(idle_left, 1),
+            "last_used": self.last_used,
             "started_at": self.started_at, "ready_at": self.ready_at, "size_bytes": self.plan.size_bytes,
-            "failure": self.failure or None,
+            "digest": self.plan.digest, "gpu_engine": self.plan.gpu_engine, "failure": self.failure or None,
         }
 
     # ------------------------------------------------------------ the child
 
     def output_tail(self, lines: int = 15) -> str:
-        text = b"".join(self.output).decode(errors="replace")
-        return "\n".join(text.strip().splitlines()[-lines:])
+        return self.child.output_tail(lines) if self.child else ""
 
     async def _spawn(self) -> None:
         for predecessor_gone in self.wait_before_spawn or []:
@@ -441,82 +506,40 @@ class Instance:
         if self.spawn_delay:
             await trio.sleep(self.spawn_delay)
         self.port = free_port()
-        argv = self.plan.argv(self.port)
+        self.child = EngineProcess(self.engine_lane.argv(self.plan, self.port), name=self.key)
         try:
-            self.process = await trio.lowlevel.open_process(
-                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                start_new_session=True)
-        except OSError as error:
-            tell(self.mailbox, _SpawnFailed(reason=f"could not start {argv[0]}: {error}"))
+            await self.child.start(self.nursery, on_exit=self._on_child_exit)
+            await trio.to_thread.run_sync(self._write_pidfile)
+            assert self.client is not None
+            await self.child.wait_ready(self.client, f"http://127.0.0.1:{self.port}{self.engine_lane.health_path}",
+                                        self.spawn_timeout)
+        except ChildFailed as failure:
+            tell(self.mailbox, _SpawnFailed(reason=str(failure)))
             return
-        await trio.to_thread.run_sync(self._write_pidfile)
-        self.nursery.start_soon(self._drain_output)
-        self.nursery.start_soon(self._watch_exit)
-        deadline = trio.current_time() + self.spawn_timeout
-        url = f"http://127.0.0.1:{self.port}{HEALTH_PATH}"
-        assert self.client is not None
-        while True:
-            if self.process.returncode is not None:
-                await trio.sleep(0.05)  # let the output drain catch the last lines
-                tell(self.mailbox, _SpawnFailed(
-                    reason=f"{self.key}'s engine exited with code {self.process.returncode} while loading:\n"
-                    f"{self.output_tail()}"))
-                return
-            with contextlib.suppress(httpx.TransportError):
-                if (await self.client.get(url, timeout=2)).status_code == 200:
-                    await self.mailbox.send(_Ready())
-                    return
-            if trio.current_time() > deadline:
-                tell(self.mailbox, _SpawnFailed(
-                    reason=f"{self.key}'s engine did not become healthy within {self.spawn_timeout:g}s:\n"
-                    f"{self.output_tail()}"))
-                return
-            await trio.sleep(0.1)
+        await self.mailbox.send(_Ready())
 
-    async def _drain_output(self) -> None:
-        assert self.process is not None and self.process.stdout is not None
-        async for chunk in self.process.stdout:
-            self.output.append(chunk)
-            self.output_bytes += len(chunk)
-            while self.output_bytes > OUTPUT_RING_BYTES and len(self.output) > 1:
-                self.output_bytes -= len(self.output.popleft())
-        self.output_closed.set()
-
-    async def _watch_exit(self) -> None:
-        assert self.process is not None
-        code = await self.process.wait()
-        with trio.move_on_after(0.5):
-            await self.output_closed.wait()  # the engine's last words explain the exit
-        with trio.CancelScope(shield=True), contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+    async def _on_child_exit(self, code: int) -> None:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await self.mailbox.send(_Exited(returncode=code))
 
     async def _terminate(self) -> None:
-        process = self.process
-        if process is None:
+        if self.child is None or self.child.process is None:
             return
-        if process.returncode is None:
+        if self.child.alive:
             self.state = State.STOPPING
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            with trio.move_on_after(STOP_GRACE_SECS):
-                await process.wait()
-            if process.returncode is None:
-                log.warning("%s ignored SIGTERM for %gs: SIGKILL", self.key, STOP_GRACE_SECS)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-        await process.wait()
+        await self.child.terminate(STOP_GRACE_SECS)
         await trio.to_thread.run_sync(self._remove_pidfile)
 
-    def _pidfile(self):
-        from pathlib import Path
-
-        return Path(self.children_dir) / f"{self.process.pid}.json" if self.children_dir and self.process else None
+    def _pidfile(self) -> Path | None:
+        if not self.children_dir or self.child is None or self.child.pid is None:
+            return None
+        return Path(self.children_dir) / f"{self.child.pid}.json"
 
     def _write_pidfile(self) -> None:
         path = self._pidfile()
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"pid": self.process.pid, "model": self.key, "engine_tag": self.plan.engine_tag,
+            path.write_text(json.dumps({"pid": self.child.pid, "model": self.key, "engine_tag": self.plan.engine_tag,
                                         "port": self.port, "argv0": str(self.plan.binary)}))
 
     def _remove_pidfile(self) -> None:
@@ -527,56 +550,60 @@ class Instance:
     # ------------------------------------------------------------ one request
 
     async def _serve(self, waiter: _Waiter, queued_secs: float) -> None:
+        clean = False
         with trio.CancelScope() as scope:
             self.running[waiter.ticket] = scope
             try:
-                await self._exchange(waiter, queued_secs)
+                clean = await self._exchange(waiter, queued_secs)
             finally:
                 self.running.pop(waiter.ticket, None)
+                with trio.CancelScope(shield=True), contextlib.suppress(trio.BrokenResourceError,
+                                                                        trio.ClosedResourceError):
+                    await self.mailbox.send(_Finished(ticket=waiter.ticket, clean=clean))
 
-    async def _exchange(self, waiter: _Waiter, queued_secs: float) -> None:
+    async def _request(self, call: UpstreamCall, url: str, headers: dict[str, str]) -> httpx.Response:
+        assert self.client is not None
+        try:
+            return await self.client.request(call.method, url, content=call.body or None, headers=headers)
+        except httpx.RemoteProtocolError:
+            if self.child is None or not self.child.alive:
+                raise
+            # The engine closed a pooled keep-alive connection (it does after a stream): the request never
+            # reached it, so it is safe to send once more on a fresh connection.
+            return await self.client.request(call.method, url, content=call.body or None, headers=headers)
+
+    async def _exchange(self, waiter: _Waiter, queued_secs: float) -> bool:
+        """Relay one request; True when the engine answered without breaking."""
         call = waiter.call
         url = f"http://127.0.0.1:{self.port}{call.path}"
         headers = {"content-type": call.content_type}
+        lane = self.engine_lane
         assert self.client is not None
         try:
             if not call.stream:
-                try:
-                    response = await self.client.request(call.method, url, content=call.body or None,
-                                                         headers=headers)
-                except httpx.RemoteProtocolError:
-                    if self.process is None or self.process.returncode is not None:
-                        raise
-                    # The engine closed a pooled keep-alive connection (it does after a stream): the
-                    # request never reached it, so it is safe to send once more on a fresh connection.
-                    response = await self.client.request(call.method, url, content=call.body or None,
-                                                         headers=headers)
-                answer(waiter.reply, Ok(UpstreamReply(status=response.status_code, body=response.content,
-                                                      content_type=response.headers.get("content-type", ""),
-                                                      queued_secs=queued_secs)))
-                if response.status_code == 200 and call.path in GENERATION_PATHS:
-                    self._observe(waiter, queued_secs, _decode_or_empty(response.content), first_chunk=None)
-                return
+                response = await self._request(call, url, headers)
+                answer(waiter.reply, Ok(self._reply(response.status_code, response.content, response, queued_secs)))
+                if response.status_code == 200 and call.path in lane.generation_paths:
+                    self._observe(waiter, queued_secs, lane.decode(response.content), first_chunk=None)
+                return True
             async with contextlib.AsyncExitStack() as stack:
                 try:
                     response = await stack.enter_async_context(
                         self.client.stream(call.method, url, content=call.body, headers=headers))
                 except httpx.RemoteProtocolError:
-                    if self.process is None or self.process.returncode is not None:
+                    if self.child is None or not self.child.alive:
                         raise
                     response = await stack.enter_async_context(  # a stale pooled connection: once more
                         self.client.stream(call.method, url, content=call.body, headers=headers))
                 if response.status_code != 200 or "text/event-stream" not in response.headers.get("content-type", ""):
                     body = await response.aread()
-                    answer(waiter.reply, Ok(UpstreamReply(status=response.status_code, body=body,
-                                                          content_type=response.headers.get("content-type", ""),
-                                                          queued_secs=queued_secs)))
-                    return
-                send, receive = trio.open_memory_channel[Any](STREAM_BUFFER)
+                    answer(waiter.reply, Ok(self._reply(response.status_code, body, response, queued_secs)))
+                    return True
+                send, receive = trio.open_memory_channel[StreamChunk | StreamFailure](STREAM_BUFFER)
                 with send:
                     if not answer(waiter.reply, Ok(UpstreamStream(status=200, chunks=receive,
                                                                   queued_secs=queued_secs))):
-                        return  # the caller left before the first byte
+                        return True  # the caller left before the first byte
                     sent_at = trio.current_time()
                     first_chunk: float | None = None
                     tail = b""
@@ -585,44 +612,42 @@ class Instance:
                             if first_chunk is None:
                                 first_chunk = trio.current_time() - sent_at
                             tail = (tail + chunk)[-8192:]
-                            await send.send(chunk)
-                        if call.path in GENERATION_PATHS:
-                            self._observe(waiter, queued_secs, _final_event(tail), first_chunk=first_chunk)
+                            await send.send(StreamChunk(data=chunk))
+                        if call.path in lane.generation_paths:
+                            self._observe(waiter, queued_secs, lane.final_event(tail), first_chunk=first_chunk)
+                        return True
                     except httpx.TransportError as error:
                         await trio.sleep(0.05)  # let the exit watcher and output drain see the crash
                         with contextlib.suppress(trio.BrokenResourceError):
-                            await send.send(StreamFailure(self._broken(error)))
+                            await send.send(StreamFailure(message=self._broken(error)))
+                        return False
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # the client hung up: leaving the `async with` closes the upstream request
+            return True  # the client hung up: leaving the `async with` closes the upstream request
         except httpx.TransportError as error:
             await trio.sleep(0.05)
             answer(waiter.reply, Err("engine_error", self._broken(error), status=502))
-        finally:
-            with trio.CancelScope(shield=True), contextlib.suppress(trio.BrokenResourceError,
-                                                                    trio.ClosedResourceError):
-                await self.mailbox.send(_Finished(ticket=waiter.ticket))
+            return False
+
+    def _reply(self, status: int, body: bytes, response: httpx.Response, queued_secs: float) -> UpstreamReply:
+        return UpstreamReply(status=status, body=body, content_type=response.headers.get("content-type", ""),
+                             queued_secs=queued_secs,
+                             engine_message=self.engine_lane.error_text(body) if status >= 400 else "")
 
     def _observe(self, waiter: _Waiter, queued: float, payload: dict[str, Any], first_chunk: float | None) -> None:
         """Tokens for the key's limits; TTFT from admission (engine timings for buffered answers), TPOT from
         the engine's timings."""
-        timings = payload.get("timings") or {}
-        usage = payload.get("usage") or {}
+        usage = self.engine_lane.usage(payload)
         if waiter.on_usage is not None:
-            prompt = usage.get("prompt_tokens") or (timings.get("prompt_n") or 0) + (timings.get("cache_n") or 0)
-            completion = usage.get("completion_tokens") or timings.get("predicted_n") or 0
-            waiter.on_usage(int(prompt) + int(completion))
+            waiter.on_usage(usage.total)
         if self.obs is None:
             return
-        ttft = first_chunk if first_chunk is not None else (timings.get("prompt_ms") or 0) / 1000 or None
-        per_token = timings.get("predicted_per_token_ms")
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or timings.get("cache_n") or 0
-        self.obs.generation(self.key, ttft=ttft, cold=waiter.cold, tpot=per_token / 1000 if per_token else None,
-                            queued=queued, prompt_tokens=usage.get("prompt_tokens") or timings.get("prompt_n") or 0,
-                            completion_tokens=usage.get("completion_tokens") or timings.get("predicted_n") or 0,
-                            cached_tokens=cached)
+        ttft = first_chunk if first_chunk is not None else usage.ttft_secs
+        self.obs.generation(self.key, ttft=ttft, cold=waiter.cold, tpot=usage.per_token_secs, queued=queued,
+                            prompt_tokens=usage.prompt, completion_tokens=usage.completion,
+                            cached_tokens=usage.cached)
 
     def _broken(self, error: Exception) -> str:
-        code = self.process.returncode if self.process else None
+        code = self.child.returncode if self.child else None
         what = f"exited with code {code}" if code is not None else f"broke the connection ({type(error).__name__})"
         tail = self.output_tail(8)
         return f"{self.key}'s engine {what} during the request" + (f":\n{tail}" if tail else "")

@@ -18,13 +18,13 @@ from blazar import ledger as db
 from .actor import Envelope, Err, MessageLoop, Ok, Reply, call, tell
 
 
-class Execute(Envelope, frozen=True, tag="execute"):
-    sql: str = ""
+class Execute(Envelope, frozen=True, kw_only=True, tag="execute"):
+    sql: str
     params: tuple = ()
 
 
-class Query(Envelope, frozen=True, tag="query"):
-    sql: str = ""
+class Query(Envelope, frozen=True, kw_only=True, tag="query"):
+    sql: str
     params: tuple = ()
 
 

@@ -28,17 +28,17 @@ from .actor import Envelope, Err, MessageLoop, Ok, Reply, call
 PULL_EVENTS = 256
 
 
-class DeleteModel(Envelope, frozen=True, tag="delete_model"):
-    name: str = ""
+class DeleteModel(Envelope, frozen=True, kw_only=True, tag="delete_model"):
+    name: str
 
 
-class CopyModel(Envelope, frozen=True, tag="copy_model"):
-    source: str = ""
-    destination: str = ""
+class CopyModel(Envelope, frozen=True, kw_only=True, tag="copy_model"):
+    source: str
+    destination: str
 
 
-class PullModel(Envelope, frozen=True, tag="pull_model"):
-    target: str = ""
+class PullModel(Envelope, frozen=True, kw_only=True, tag="pull_model"):
+    target: str
 
 
 class AddKey(Envelope, frozen=True, kw_only=True, tag="add_key"):

@@ -34,23 +34,23 @@ class Control:
     follow: Any = None  # singleflight: a channel to wait on as a follower, None as the leader
 
 
-class Open(Envelope, frozen=True, tag="open"):
-    trace_id: str = ""
-    model: str = ""
-    route: str = ""
+class Open(Envelope, frozen=True, kw_only=True, tag="open"):
+    trace_id: str
+    model: str
+    route: str
     stream: bool = False
     flight_key: str | None = None  # singleflight: join the flight of identical requests
     key: str | None = None  # the API key that made it (None on an open gateway)
 
 
-class Update(Envelope, frozen=True, tag="update"):
-    id: str = ""
+class Update(Envelope, frozen=True, kw_only=True, tag="update"):
+    id: str
     fields: dict = {}
     partial: str = ""  # appended
 
 
-class Close(Envelope, frozen=True, tag="close"):
-    id: str = ""
+class Close(Envelope, frozen=True, kw_only=True, tag="close"):
+    id: str
     state: str = "done"
     fields: dict = {}
     partial: str = ""
@@ -58,30 +58,30 @@ class Close(Envelope, frozen=True, tag="close"):
     result: Any = None
 
 
-class Get(Envelope, frozen=True, tag="get"):
-    id: str = ""
+class Get(Envelope, frozen=True, kw_only=True, tag="get"):
+    id: str
     viewer: str | None = None  # a scoped key's name: it sees only its own cards; None sees all
 
 
-class List(Envelope, frozen=True, tag="list"):
+class List(Envelope, frozen=True, kw_only=True, tag="list"):
     model: str | None = None
     state: str | None = None
     viewer: str | None = None
 
 
-class Signal(Envelope, frozen=True, tag="signal"):
-    id: str = ""
+class Signal(Envelope, frozen=True, kw_only=True, tag="signal"):
+    id: str
     kind: str = "cancel"
     viewer: str | None = None
 
 
-class SaveCompletion(Envelope, frozen=True, tag="save_completion"):
-    card: dict = {}
+class SaveCompletion(Envelope, frozen=True, kw_only=True, tag="save_completion"):
+    card: dict
 
 
-class UpdateCompletion(Envelope, frozen=True, tag="update_completion"):
-    id: str = ""
-    metadata: dict = {}
+class UpdateCompletion(Envelope, frozen=True, kw_only=True, tag="update_completion"):
+    id: str
+    metadata: dict
 
 
 

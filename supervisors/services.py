@@ -16,10 +16,10 @@ from blazar.observability import Observability
 from blazar.paths import Paths
 
 from .admission import AdmissionClient
+from .lane import LaneClient
 from .ledger import LedgerClient
 from .registry import RegistryClient
 from .requests import RequestsClient
-from .text_lane import LaneClient
 
 
 @dataclass

@@ -12,6 +12,7 @@ from blazar.engines import EngineEntry, Roster
 from blazar.ledger import open_ledger, query
 from blazar.paths import Paths
 from blazar.store import Store
+from lanes import quickbench
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def stand_in_builder(shared_engine):
 def test_gate_measures_both_engines_and_activates_a_non_regressing_one(gate_home: Paths, shared_engine, monkeypatch):
     monkeypatch.setattr(engine_update, "check", lambda paths: {
         "current": "b1-cpu", "current_version": "1", "latest_version": "2", "update_available": True})
-    result = engine_update.update(gate_home, gate=True, progress=lambda *a: None,
+    result = engine_update.update(gate_home, gate=True, progress=lambda *a: None, measure=quickbench.measure,
                                   build=stand_in_builder(shared_engine))
     gate = result["gate"]
     assert gate["model"] == "smollm2:135m"
@@ -58,7 +59,7 @@ def test_gate_measures_both_engines_and_activates_a_non_regressing_one(gate_home
 def test_a_slower_engine_is_kept_out(gate_home: Paths, shared_engine, monkeypatch):
     monkeypatch.setattr(engine_update, "check", lambda paths: {
         "current": "b1-cpu", "current_version": "1", "latest_version": "2", "update_available": True})
-    real_measure = engine_update.quickbench.measure
+    real_measure = quickbench.measure
     calls = []
 
     def measure(binary, model, **kwargs):
@@ -68,8 +69,7 @@ def test_a_slower_engine_is_kept_out(gate_home: Paths, shared_engine, monkeypatc
             figures = {**figures, "tg_tps": figures["tg_tps"] / 2}
         return figures
 
-    monkeypatch.setattr(engine_update.quickbench, "measure", measure)
-    result = engine_update.update(gate_home, gate=True, progress=lambda *a: None,
+    result = engine_update.update(gate_home, gate=True, progress=lambda *a: None, measure=measure,
                                   build=stand_in_builder(shared_engine))
     assert result["action"] == "kept" and result["gate"]["passed"] is False
     assert result["gate"]["tg_ratio"] < 0.95
@@ -82,4 +82,5 @@ def test_nothing_newer_means_nothing_built(gate_home: Paths, monkeypatch):
         "current": "b1-cpu", "current_version": "1", "latest_version": "1", "update_available": False})
     def never(*args, **kwargs):
         raise AssertionError("built although nothing was newer")
-    assert engine_update.update(gate_home, gate=True, progress=lambda *a: None, build=never)["action"] == "none"
+    assert engine_update.update(gate_home, gate=True, progress=lambda *a: None, measure=quickbench.measure,
+                                build=never)["action"] == "none"

@@ -111,6 +111,49 @@ async def test_restart_budget_opens_a_breaker_until_ps_reset(nursery, fake_home,
             assert (await client.post("/v1/chat/completions", json=body())).status_code == 200
 
 
+async def _until_probe_allowed(client) -> dict:
+    while True:
+        rows = await ps(client)
+        breaker = rows[0].get("breaker") if rows else None
+        if breaker and breaker["state"] == "open" and breaker["next_probe_in_secs"] == 0:
+            return breaker
+        await trio.sleep(0.05)
+
+
+async def test_an_open_breaker_heals_by_itself_after_its_cool_down(nursery, fake_home, monkeypatch):
+    """A server left alone recovers: after the cool-down the next request is the probe, and a clean answer
+    closes the breaker; a probe that fails again doubles the cool-down."""
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "crash_on_start")
+    gateway = await start_gateway(nursery, fake_home, breaker_cooldown_secs=0.5)
+    with trio.fail_after(60):
+        async with gateway.client() as client:
+            for _ in range(3):
+                assert (await client.post("/v1/chat/completions", json=body())).status_code == 502
+            refused = await client.post("/v1/chat/completions", json=body())
+            assert refused.status_code == 502 and refused.headers["retry-after"] == "1"
+            assert "the next request after" in refused.json()["error"]["message"]
+            [row] = await ps(client)
+            assert row["state"] == "broken" and row["breaker"]["state"] == "open"
+            assert row["breaker"]["cool_down_secs"] == 0.5
+
+            await _until_probe_allowed(client)  # the probe's child crashes too: open again, twice as long
+            probe = await client.post("/v1/chat/completions", json=body())
+            assert probe.status_code == 502 and "exited with code 1 while loading" in probe.json()["error"]["message"]
+            [row] = await ps(client)
+            assert row["breaker"]["state"] == "open" and row["breaker"]["cool_down_secs"] == 1.0, row
+            explained = (await client.get("/api/explain/fake:1")).json()
+            assert explained["breaker"]["state"] == "open"
+
+            monkeypatch.setenv("FAKE_ENGINE_MODE", "ok")
+            await _until_probe_allowed(client)
+            healed = await client.post("/v1/chat/completions", json=body())
+            assert healed.status_code == 200
+            rows = await ps(client)
+            assert [r["state"] for r in rows] == ["ready"] and "breaker" not in rows[0]
+            events = await gateway.services.ledger.recent_events(kind="breaker")
+            assert '"closed"' in events[0]["detail"]  # newest first
+
+
 async def test_think_blocks_are_stripped_unless_thinking_was_asked_for(nursery, fake_home, monkeypatch):
     monkeypatch.setenv("FAKE_ENGINE_MODE", "think")
     gateway = await start_gateway(nursery, fake_home)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 
 from blazar.admission import HeaderError, schedule
-from dialects.openai.translate import check_choices, structured_output_receipt
+from dialects.openai.translate import structured_output_receipt
 from dialects.wire import (
     ChatStreamRewriter,
     RequestError,
     ThinkFilter,
     bridge_reasoning,
+    check_choices,
     strip_think_text,
     thinking_requested,
 )
@@ -55,7 +56,7 @@ def test_reasoning_effort_is_bridged_and_the_request_value_wins():
 ])
 def test_n_validation(n, message):
     with pytest.raises(RequestError, match=message) as caught:
-        check_choices({"n": n})
+        check_choices({"n": n}, lane="llamacpp", ceiling=2)
     assert caught.value.param == "n"
 
 

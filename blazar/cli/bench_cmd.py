@@ -22,8 +22,8 @@ from blazar.store import Store, StoreError
 @click.option("--json", "as_json", is_flag=True, help="One JSON line.")
 async def bench(model: str, runs: int, n_predict: int, as_json: bool) -> None:
     """pp/tg benchmark of MODEL on the active engine (history feeds `show`, /api/benchmarks and tune gates)."""
-    from blazar import quickbench
     from blazar.ledger import execute, open_ledger
+    from lanes import quickbench
 
     paths = Paths.from_env().ensure()
 

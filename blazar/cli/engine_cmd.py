@@ -216,6 +216,7 @@ async def local(path: Path, tag: str | None, as_json: bool) -> None:
 async def update(check_only: bool, no_gate: bool, as_json: bool) -> None:
     """Build the newest llama.cpp source release and activate it if it is not slower."""
     from blazar import engine_update
+    from lanes import quickbench
 
     paths = Paths.from_env().ensure()
     try:
@@ -231,7 +232,7 @@ async def update(check_only: bool, no_gate: bool, as_json: bool) -> None:
         progress = BuildProgress(as_json)
         try:
             result = await trio.to_thread.run_sync(
-                lambda: engine_update.update(paths, gate=not no_gate, progress=progress))
+                lambda: engine_update.update(paths, gate=not no_gate, progress=progress, measure=quickbench.measure))
         finally:
             progress.close()
     except EngineError as error:

@@ -9,8 +9,7 @@ import msgspec
 from quart import Blueprint, Response, current_app, request
 
 from dialects.chat_core import StreamBroken, run_chat
-from dialects.edge import Refusal, refuse
-from dialects.openai.routes import count_input_tokens
+from dialects.edge import Refusal, count_input_tokens, refuse
 from dialects.wire import RequestError, decode_object
 
 from . import translate as t

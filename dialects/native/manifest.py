@@ -30,7 +30,7 @@ def build_manifest(*, version: str, census: list[tuple[str, str]], dialect_of: C
             "tls": False,
             "otlp": False,
             "remotes": False,
-            "singleflight": False,
+            "singleflight": True,  # identical buffered OpenAI chat requests share one generation
             "session_bank": False,
             "prompt_preflight": False,
             "session_pins": False,

@@ -12,8 +12,9 @@ from quart import Blueprint, Response, current_app, request
 
 from blazar import __version__
 from blazar.config import ConfigError, parse_duration
+from blazar.sysinfo import gpu_memory_by_pid
 from dialects.chat_core import StreamBroken, ToolCallAccumulator, run_chat
-from dialects.edge import Refusal, forward, refuse
+from dialects.edge import Refusal, ensure_model, forward, refuse, submit
 from dialects.wire import RequestError, decode_object
 from supervisors.actor import ActorError
 from supervisors.instance import UpstreamCall
@@ -141,12 +142,15 @@ async def copy():
 async def ps():
     """Ollama's shape, plus Blazar's own fields (slots, ports, in-flight, keep-alive countdown, engine)."""
     rows = await current_app.services.lane.ps()
+    on_gpu = {row["pid"] for row in rows if row.get("pid") and row.get("gpu_engine")}
+    vram = await trio.to_thread.run_sync(gpu_memory_by_pid, on_gpu) if on_gpu else {}
     now = time.time()
     models = []
     for row in rows:
         idle = row.get("idle_expires_in_secs")
-        models.append({**row, "name": row["model"], "size": row.get("size_bytes", 0), "size_vram": 0,
-                       "digest": "", "context_length": row.get("context"),
+        models.append({**row, "name": row["model"], "size": row.get("size_bytes", 0),
+                       "size_vram": vram.get(row.get("pid"), 0),  # a CPU engine holds nothing on a GPU
+                       "digest": row.get("digest", ""), "context_length": row.get("context"),
                        "expires_at": t.rfc3339(now + idle) if idle is not None else None,
                        "blazar_engine": row.get("engine")})
     return _json({"models": models})
@@ -197,10 +201,12 @@ async def _chat_like(kind: str):
             if not body.get("prompt") and not body.get("images"):
                 return await _load_or_unload(body, canonical["model"])
         keep_alive = _keep_alive(body)
+        spawn = t.spawn_options(body.get("options"))
         if kind == "generate" and body.get("raw") is True:
-            result = await _raw_completion(services, canonical, body["prompt"], keep_alive, num_ctx)
+            result = await _raw_completion(services, canonical, body["prompt"], keep_alive, num_ctx, spawn)
         else:
-            result = await run_chat(services, canonical, request.headers, keep_alive=keep_alive, num_ctx=num_ctx)
+            result = await run_chat(services, canonical, request.headers, keep_alive=keep_alive, num_ctx=num_ctx,
+                                    spawn_options=spawn)
     except (RequestError, Refusal) as error:
         return refuse(error)
     model = canonical["model"]
@@ -210,7 +216,7 @@ async def _chat_like(kind: str):
 
 
 async def _raw_completion(services: Any, canonical: dict[str, Any], prompt: str, keep_alive: float | None,
-                          num_ctx: int | None) -> Any:
+                          num_ctx: int | None, spawn: dict[str, Any] | None) -> Any:
     """`raw: true`: the prompt goes to the engine verbatim, no chat template."""
     from dialects.chat_core import ChatResult, _chunks
     from supervisors.instance import UpstreamReply
@@ -219,7 +225,7 @@ async def _raw_completion(services: Any, canonical: dict[str, Any], prompt: str,
     body = {k: v for k, v in canonical.items() if k not in skip} | {"prompt": prompt}
     result = await forward(services, canonical["model"], UpstreamCall(
         path="/v1/completions", body=msgspec.json.encode(body), stream=body.get("stream") is True),
-        request.headers, keep_alive=keep_alive, num_ctx=num_ctx)
+        request.headers, keep_alive=keep_alive, num_ctx=num_ctx, spawn_options=spawn)
     if isinstance(result, UpstreamReply):
         if result.status >= 400:
             from dialects.edge import engine_failure
@@ -315,9 +321,11 @@ async def _load_or_unload(body: dict[str, Any], model: str) -> Response:
         payload = {"model": model, "created_at": t.now_rfc3339(), "done": True, "done_reason": "unload"}
     else:
         try:
-            await forward(services, model, UpstreamCall(method="GET", path="/health"), request.headers,
-                          keep_alive=keep_alive)
-        except Refusal as error:
+            _, num_ctx = t.options_to_fields(body.get("options"))
+            handle = await ensure_model(services, model, request.headers, num_ctx, t.spawn_options(body.get("options")))
+            await submit(services, handle, UpstreamCall(method="GET", path=handle.lane.health_path), request.headers,
+                         keep_alive=keep_alive)
+        except (RequestError, Refusal) as error:
             return refuse(error)
         payload = {"model": model, "created_at": t.now_rfc3339(), "done": True, "done_reason": "load"}
     payload[kind] = {"role": "assistant", "content": ""} if kind == "message" else ""
@@ -348,13 +356,12 @@ async def _embed(legacy: bool):
             raise RequestError(f"`{field}` must be a string" + ("" if legacy else " or an array of strings"))
         _, num_ctx = t.options_to_fields(body.get("options"))
         reply = await forward(services, model, UpstreamCall(path="/v1/embeddings", body=msgspec.json.encode(
-            {"model": model, "input": inputs})), request.headers, keep_alive=_keep_alive(body), num_ctx=num_ctx)
+            {"model": model, "input": inputs})), request.headers, keep_alive=_keep_alive(body), num_ctx=num_ctx,
+            spawn_options=t.spawn_options(body.get("options")))
     except (RequestError, Refusal) as error:
         return refuse(error)
     if reply.status >= 400:
-        from lanes.llamacpp import engine_error_text
-
-        return _error(502 if reply.status >= 500 else reply.status, engine_error_text(reply.body))
+        return _error(502 if reply.status >= 500 else reply.status, reply.engine_message)
     payload = msgspec.json.decode(reply.body)
     vectors = [row["embedding"] for row in sorted(payload["data"], key=lambda r: r["index"])]
     if legacy:

@@ -18,8 +18,11 @@ OPTION_FIELDS = {
     "frequency_penalty": "frequency_penalty", "typical_p": "typical_p", "mirostat": "mirostat",
     "mirostat_eta": "mirostat_eta", "mirostat_tau": "mirostat_tau", "num_keep": "n_keep",
 }
+# Options that shape the engine child, not one request: the lane maps them to spawn flags or refuses them.
 SPAWN_OPTIONS = {"num_ctx", "num_thread", "num_gpu", "num_batch", "low_vram", "use_mmap", "use_mlock", "numa",
-                 "main_gpu", "f16_kv", "vocab_only", "num_gqa"}
+                 "main_gpu"}
+OBSOLETE_OPTIONS = {"f16_kv", "vocab_only", "num_gqa", "logits_all", "embedding_only", "rope_frequency_base",
+                    "rope_frequency_scale", "penalize_newline"}
 
 
 def now_rfc3339() -> str:
@@ -47,6 +50,8 @@ def options_to_fields(options: Any) -> tuple[dict[str, Any], int | None]:
     for key, value in options.items():
         if key in OPTION_FIELDS:
             fields[OPTION_FIELDS[key]] = value
+        elif key in OBSOLETE_OPTIONS:
+            raise RequestError(f"options.{key} no longer does anything (Ollama dropped it too); remove it")
         elif key not in SPAWN_OPTIONS:
             accepted = ", ".join(sorted([*OPTION_FIELDS, *SPAWN_OPTIONS]))
             raise RequestError(f"unknown option {key!r}; accepted: {accepted}")
@@ -54,6 +59,14 @@ def options_to_fields(options: Any) -> tuple[dict[str, Any], int | None]:
     if num_ctx is not None and (not isinstance(num_ctx, int) or num_ctx < 128):
         raise RequestError(f"options.num_ctx must be a whole number ≥ 128, got {num_ctx!r}")
     return fields, num_ctx
+
+
+def spawn_options(options: Any) -> dict[str, Any] | None:
+    """The spawn options a request names besides num_ctx (None: any running child will do)."""
+    if not isinstance(options, dict):
+        return None
+    named = {k: v for k, v in options.items() if k in SPAWN_OPTIONS and k != "num_ctx"}
+    return named or None
 
 
 def format_to_response_format(fmt: Any) -> dict[str, Any] | None:

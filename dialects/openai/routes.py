@@ -12,6 +12,7 @@ from dialects.chat_core import forced_tool, run_chat
 from dialects.edge import (
     Refusal,
     admit_request,
+    count_input_tokens,
     engine_failure,
     follow_or_lead,
     forward,
@@ -24,14 +25,16 @@ from dialects.wire import (
     ChatStreamRewriter,
     RequestError,
     bridge_reasoning,
+    check_choices,
     decode_object,
     require_model,
     strip_think_buffered,
     thinking_requested,
 )
+from lanes import lane_for
 from supervisors.instance import UpstreamCall, UpstreamReply
 
-from .translate import check_chat, check_choices, check_metadata, structured_output_receipt
+from .translate import check_chat, check_metadata, structured_output_receipt
 
 blueprint = Blueprint("openai", __name__)
 
@@ -66,7 +69,7 @@ async def chat_completions():
         body = await _body()
         model = require_model(body)
         check_chat(body)
-        check_choices(body)
+        choices = check_choices(body)
         metadata = check_metadata(body)
         body.pop("metadata", None)
         strip = not thinking_requested(body)
@@ -97,7 +100,7 @@ async def chat_completions():
         closing: dict[str, Any] = {}
         try:
             async def ask() -> UpstreamReply:
-                return await forward(services, model, upstream, request.headers)
+                return await forward(services, model, upstream, request.headers, choices=choices)
 
             result, led = await tracked(services, control, lambda: follow_or_lead(control, ask))
             outcome = result
@@ -133,7 +136,8 @@ async def chat_completions():
             await services.requests.close(control.id, state, compute_ms=elapsed_ms,
                                           flight_key=flight_key if led else None, result=outcome, **closing)
     try:
-        result = await tracked(services, control, lambda: forward(services, model, upstream, request.headers))
+        result = await tracked(services, control, lambda: forward(services, model, upstream, request.headers,
+                                                                         choices=choices))
     except (RequestError, Refusal) as error:
         await services.requests.close(control.id, "failed")
         return refuse(error)
@@ -206,11 +210,10 @@ async def _passthrough(path: str, *, stream_ok: bool = True):
     try:
         body = await _body()
         model = require_model(body)
-        if "n" in body:
-            check_choices(body)
+        choices = check_choices(body) if "n" in body else 1
         stream = stream_ok and body.get("stream") is True
         result = await forward(current_app.services, model, UpstreamCall(
-            path=path, body=msgspec.json.encode(body), stream=stream), request.headers)
+            path=path, body=msgspec.json.encode(body), stream=stream), request.headers, choices=choices)
         if isinstance(result, UpstreamReply):
             return json_reply(result)
         rewriter = ChatStreamRewriter(strip_think=False)
@@ -268,20 +271,6 @@ async def responses_input_tokens():
         return refuse(error)
 
 
-async def count_input_tokens(services: Any, model: str, template_body: dict[str, Any], headers: Any) -> int:
-    """The chat template applied by the engine, then tokenized: what the prompt really costs."""
-    applied = await forward(services, model, UpstreamCall(path="/apply-template",
-                                                          body=msgspec.json.encode(template_body)), headers)
-    if applied.status >= 400:
-        raise engine_failure(applied)
-    prompt = msgspec.json.decode(applied.body).get("prompt", "")
-    tokens = await forward(services, model, UpstreamCall(path="/tokenize", body=msgspec.json.encode(
-        {"content": prompt, "add_special": True, "parse_special": True})), headers)
-    if tokens.status >= 400:
-        raise engine_failure(tokens)
-    return len(msgspec.json.decode(tokens.body).get("tokens", []))
-
-
 async def _count_tokens(model: str, template_body: dict[str, Any]) -> Response:
     count = await count_input_tokens(current_app.services, model, template_body, request.headers)
     return Response(msgspec.json.encode({"object": "response.input_tokens", "input_tokens": count}),
@@ -299,15 +288,10 @@ async def models():
         engine = Roster(services.paths).active()
         rows = []
         for manifest in Store(services.paths).all():
-            capabilities = ["completion"]
-            if manifest.mmproj:
-                capabilities.append("vision")
-            if manifest.info.get("rank_head"):
-                capabilities.append("rerank")
-            capabilities.append("embedding")
+            lane = lane_for(manifest)
             rows.append({"id": manifest.name, "object": "model", "created": int(manifest.created_at),
                          "owned_by": "blazar", "engine": engine.tag if engine else None,
-                         "lane": "llamacpp", "capabilities": capabilities, "size": manifest.size,
+                         "lane": lane.kind, "capabilities": lane.capabilities(manifest), "size": manifest.size,
                          "quantization": manifest.quant, "context_length": manifest.info.get("context_length")})
         return rows
 

@@ -6,21 +6,6 @@ from typing import Any
 
 from dialects.wire import RequestError
 
-MAX_CHOICES = 8  # the API contract
-LANE_MAX_CHOICES = {"llamacpp": 2}  # what the engine really serves (llama-server caps n at 2)
-
-def check_choices(body: dict[str, Any], lane: str = "llamacpp") -> int:
-    n = body.get("n", 1)
-    if n is None:
-        return 1
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
-        raise RequestError(f"`n` must be an integer from 1 to {MAX_CHOICES}, got {n!r}", param="n")
-    ceiling = LANE_MAX_CHOICES.get(lane, MAX_CHOICES)
-    if n > ceiling:
-        raise RequestError(f"`n` is {n}, but the {lane} lane serves at most {ceiling} choices per request; "
-                           f"ask for n ≤ {ceiling} and send more requests for more choices", param="n")
-    return n
-
 
 def check_chat(body: dict[str, Any]) -> None:
     messages = body.get("messages")

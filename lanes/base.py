@@ -1,0 +1,98 @@
+"""What a lane is: everything Blazar needs to know about one kind of engine, in one module.
+
+A lane module (`lanes/llamacpp.py` is the reference) defines one class that satisfies `Lane` and
+registers one instance in `lanes/__init__.py`. The supervisors are generic: the lane supervisor plans
+through `plan()` (in a worker thread, so it may read files and run `--help`), the instance actor
+spawns `argv()` through `lanes.child.EngineProcess`, polls `health_path` until ready, relays
+requests, and reads token counts from the engine's answers with `usage()`. The dialects ask the lane
+(through the instance handle) for its limits and its token counting.
+
+Nothing here imports trio state or actors: a lane is pure knowledge plus blocking planning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+
+
+class PlanRefused(Exception):
+    """The lane cannot plan this request; `status`, `message` and `fix` are for the client."""
+
+    def __init__(self, message: str, fix: str = "", status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fix = fix
+        self.status = status
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    """Token counts of one generation, read from the engine's own answer."""
+
+    prompt: int
+    completion: int
+    cached: int
+    ttft_secs: float | None  # the engine's own prompt-processing time, when it reports one
+    per_token_secs: float | None
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.completion
+
+
+class Plan(Protocol):
+    """What one engine child is made of. Equal plans may share a child."""
+
+    model: str
+    engine_tag: str
+    binary: Path
+    size_bytes: int
+    digest: str
+    gpu_engine: bool  # False: nothing of this child is on a GPU
+    context: int
+    context_source: str
+    slots: int
+    spawn_options: tuple[tuple[str, Any], ...]
+
+
+# How a lane asks its own child something outside a client request: (method, path, body) -> (status, body).
+AskChild = Callable[[str, str, bytes], Awaitable[tuple[int, bytes]]]
+
+
+class Lane(Protocol):
+    kind: str  # "llamacpp": shown in /api/ps, explain, the manifest
+    health_path: str  # 200 once the child can serve
+    generation_paths: frozenset[str]  # answers on these carry token usage
+    max_choices: int  # the most `n` choices the engine serves per request
+
+    def normalize_spawn_options(self, options: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+        """A request's spawn options (Ollama `options` that shape the child) as the engine acts on them;
+        raises PlanRefused for what it cannot do. Pure and quick: the supervisor calls it on its loop."""
+
+    def plan(self, paths: Any, config: Any, query: str, num_ctx: int | None,
+             spawn_options: tuple[tuple[str, Any], ...] = ()) -> Plan:
+        """Blocking: resolve the model, the engine and every flag. Raises PlanRefused (or StoreError)."""
+
+    def argv(self, plan: Plan, port: int) -> list[str]:
+        """The child's command line for a port on 127.0.0.1."""
+
+    def describe_plan(self, plan: Plan) -> dict[str, Any]:
+        """The explain card's lane-specific part, read from the plan."""
+
+    def capabilities(self, manifest: Any) -> list[str]:
+        """What a model served by this lane can do: completion, embedding, rerank, vision."""
+
+    def usage(self, payload: dict[str, Any]) -> Usage:
+        """Token counts from a buffered answer or the stream's final event."""
+
+    def final_event(self, tail: bytes) -> dict[str, Any]:
+        """The final event of a stream (the last bytes of it) that carries the usage, or {}."""
+
+    def error_text(self, body: bytes) -> str:
+        """The engine's own message from an error body."""
+
+    async def count_prompt_tokens(self, ask: AskChild, chat: dict[str, Any]) -> int:
+        """What a chat prompt costs after the model's template: `chat` has messages (and maybe tools)."""

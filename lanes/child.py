@@ -1,0 +1,126 @@
+"""One engine child process, the same way for every lane: the piece the instance actor and quickbench share.
+
+- spawned in its own process group (a stop reaches the engine's own children too), stdin closed,
+  stdout+stderr into a bounded ring so a crash report carries the engine's last words;
+- `wait_ready()` polls a health URL racing the child's exit and a deadline;
+- `terminate()`: SIGTERM to the group, grace, SIGKILL, always reaped.
+
+Its tasks run in the nursery the owner passes in; the owner hears about the exit through `on_exit`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+import httpx
+import trio
+
+OUTPUT_RING_BYTES = 64 * 1024
+STOP_GRACE_SECS = 5.0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class ChildFailed(Exception):
+    """The child exited or stayed unhealthy while loading; the message carries its last lines."""
+
+
+class EngineProcess:
+    def __init__(self, argv: list[str], *, name: str) -> None:
+        self.argv = argv
+        self.name = name
+        self.process: trio.Process | None = None
+        self.output: deque[bytes] = deque()
+        self.output_bytes = 0
+        self.output_closed = trio.Event()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode if self.process else None
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+    async def start(self, nursery: trio.Nursery,
+                    on_exit: Callable[[int], Awaitable[None]] | None = None) -> None:
+        """Spawn; raises ChildFailed when the binary cannot be started at all."""
+        try:
+            self.process = await trio.lowlevel.open_process(
+                self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        except OSError as error:
+            raise ChildFailed(f"could not start {self.argv[0]}: {error}") from None
+        nursery.start_soon(self._drain_output)
+        nursery.start_soon(self._watch_exit, on_exit)
+
+    def output_tail(self, lines: int = 15) -> str:
+        text = b"".join(self.output).decode(errors="replace")
+        return "\n".join(text.strip().splitlines()[-lines:])
+
+    async def wait_ready(self, client: httpx.AsyncClient, url: str, within: float) -> None:
+        """Return once `url` answers 200; raise ChildFailed on exit or past the deadline."""
+        assert self.process is not None
+        deadline = trio.current_time() + within
+        while True:
+            if self.process.returncode is not None:
+                with trio.move_on_after(0.5):
+                    await self.output_closed.wait()  # the engine's last words explain the exit
+                raise ChildFailed(f"{self.name}'s engine exited with code {self.process.returncode} while "
+                                  f"loading:\n{self.output_tail()}")
+            with contextlib.suppress(httpx.TransportError):
+                if (await client.get(url, timeout=2)).status_code == 200:
+                    return
+            if trio.current_time() > deadline:
+                raise ChildFailed(f"{self.name}'s engine did not become healthy within {within:g}s:\n"
+                                  f"{self.output_tail()}")
+            await trio.sleep(0.1)
+
+    async def terminate(self, grace: float = STOP_GRACE_SECS) -> None:
+        """SIGTERM the group, wait `grace`, SIGKILL, reap. Safe to call more than once."""
+        process = self.process
+        if process is None:
+            return
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            with trio.move_on_after(grace):
+                await process.wait()
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
+
+    async def _drain_output(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        try:
+            async for chunk in self.process.stdout:
+                self.output.append(chunk)
+                self.output_bytes += len(chunk)
+                while self.output_bytes > OUTPUT_RING_BYTES and len(self.output) > 1:
+                    self.output_bytes -= len(self.output.popleft())
+        finally:
+            self.output_closed.set()
+
+    async def _watch_exit(self, on_exit: Callable[[int], Awaitable[None]] | None) -> None:
+        assert self.process is not None
+        code = await self.process.wait()
+        with trio.move_on_after(0.5):
+            await self.output_closed.wait()
+        if on_exit is not None:
+            with trio.CancelScope(shield=True):
+                await on_exit(code)
