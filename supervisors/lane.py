@@ -187,8 +187,9 @@ class LaneSupervisor(MessageLoop):
 
     @staticmethod
     def _fits(resident: Resident, num_ctx: int | None, spawn_options: tuple | None) -> bool:
+        # A request constrains only the spawn options it names (defaults are dropped before this).
         return resident.state not in GONE_STATES and (num_ctx is None or num_ctx == resident.plan.context) and \
-            (spawn_options is None or tuple(spawn_options) == resident.plan.spawn_options)
+            (spawn_options is None or set(spawn_options) <= set(resident.plan.spawn_options))
 
     def _ensure(self, message: Ensure) -> Reply | None:
         options = None

@@ -323,3 +323,26 @@ async def test_json_mode_is_passed_to_the_engine_with_a_receipt(nursery, lane_ho
                 response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}))
     assert response.headers["x-blazar-structured-output"] == "json_schema"
     assert isinstance(json.loads(response.json()["choices"][0]["message"]["content"])["colour"], str)
+
+
+async def test_the_real_engine_takes_ollama_spawn_options_and_a_reasoning_budget(nursery, lane_home):
+    """The flags the llama.cpp lane maps settings to are ones this llama-server really accepts."""
+    gateway = await gateway_with(nursery, lane_home, models={"smollm2:135m": ModelSettings(reasoning_budget=0)})
+    with trio.fail_after(90):
+        async with gateway.client() as client:
+            answer = await client.post("/api/chat", json={
+                "model": "smollm2:135m", "stream": False, "options": {"num_thread": 1, "num_batch": 64,
+                                                                      "num_predict": 4},
+                "messages": [{"role": "user", "content": "Say hi."}]})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["message"]["content"]
+            card = (await client.get("/api/explain/smollm2:135m")).json()
+            assert card["resident"]["state"] in ("ready", "busy")
+            flags = card["flags"]
+            assert flags[flags.index("--reasoning-budget") + 1] == "0"
+            # The resident child runs with the asked spawn options (explain plans a request without them).
+            [row] = await ps(client)
+            assert row["pid"] and pid_alive(row["pid"])
+            with open(f"/proc/{row['pid']}/cmdline", "rb") as handle:  # noqa: ASYNC230 - procfs, instant
+                argv = handle.read().split(b"\0")
+            assert argv[argv.index(b"--threads") + 1] == b"1" and argv[argv.index(b"--batch-size") + 1] == b"64"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """FakeLlamaServer: a test double of llama-server for fault injection ONLY.
 
-It answers `--version` like llama-server and serves /health, /v1/chat/completions (stream and not)
+It answers `--version` and `--help` like llama-server and serves /health, /v1/chat/completions (stream and not)
 and /slots with canned text. FAKE_ENGINE_MODE picks the fault:
   ok               behave
   never_healthy    /health stays 503 forever
@@ -9,6 +9,8 @@ and /slots with canned text. FAKE_ENGINE_MODE picks the fault:
   crash_on_start   print an error and exit(1) while "loading"
   ignore_sigterm   ignore SIGTERM (must be SIGKILLed)
   think            answer with a <think>…</think> block before the text
+A buffered chat answer also carries `fake_received` (the messages it got) and `fake_argv` (its own
+command line), so tests can see what Blazar sent and how it spawned the child.
 It never stands as proof that a feature works with the real engine.
 """
 
@@ -21,6 +23,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MODE = os.environ.get("FAKE_ENGINE_MODE", "ok")
 
+if "--help" in sys.argv:
+    print("usage: fake llama-server\n--reasoning-budget N  token budget for thinking\n--lora FNAME\n"
+          "--chat-template-file JINJA_TEMPLATE_FILE")
+    sys.exit(0)
 if "--version" in sys.argv:
     print("version: 9999 (build 9999, commit fake)\nbuilt with a test double", file=sys.stderr)
     sys.exit(0)
@@ -74,9 +80,11 @@ class Handler(BaseHTTPRequestHandler):
         delay = float(body.get("fake_delay", 0.05))
         if not body.get("stream"):
             time.sleep(delay * len(WORDS))
+            # What Blazar sent and how it started this child, for tests of Blazar's own translation.
             return self._json(200, {"id": "chatcmpl-fake", "object": "chat.completion", "model": alias,
                                     "choices": [{"index": 0, "finish_reason": "stop",
-                                                 "message": {"role": "assistant", "content": "".join(WORDS)}}]})
+                                                 "message": {"role": "assistant", "content": "".join(WORDS)}}],
+                                    "fake_received": body.get("messages"), "fake_argv": sys.argv[1:]})
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
         self.send_header("transfer-encoding", "chunked")
