@@ -8,12 +8,14 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
 from blazar.errors import error_bytes
 from blazar.middleware import test_hooks_enabled
+from supervisors.actor import ActorError, ActorUnavailable
 from supervisors.services import Services
 
 from .admin.keys_routes import blueprint as keys
 from .admin.routes import blueprint as admin
 from .anthropic.routes import blueprint as anthropic
 from .census import closest_routes
+from .edge import Refusal
 from .native.engine_routes import blueprint as native_engine
 from .native.routes import blueprint as native
 from .ollama.routes import blueprint as ollama
@@ -39,6 +41,19 @@ def create_app(services: Services) -> BlazarApp:
         from .native.test_hooks import blueprint as hooks  # only with BLAZAR_TEST_HOOKS=1
 
         app.register_blueprint(hooks)
+
+    @app.errorhandler(ActorUnavailable)
+    async def teach_actor_unavailable(error: ActorUnavailable) -> Response:
+        """An actor that did not take or answer a route's message in time: a teaching 503, never a raw 500."""
+        message = (f"the gateway is too busy to take this request right now: an internal actor did not answer "
+                   f"({error}); retry in a moment, and see GET /api/events or `blazar doctor` if it persists")
+        return Response(error_bytes(request.path, 503, message), status=503, headers={"retry-after": "1"},
+                        content_type="application/json")
+
+    @app.errorhandler(ActorError)
+    async def teach_actor_error(error: ActorError) -> Response:
+        """An actor's refusal that a route did not render itself: its own status, message and fix."""
+        return Refusal.from_err(error.err).response(request.path)
 
     @app.errorhandler(HTTPException)
     async def teach_http_error(error: HTTPException) -> Response:

@@ -21,7 +21,7 @@ import msgspec
 
 from dialects.edge import Refusal, engine_failure, forward
 from dialects.wire import SSEParser, ThinkFilter, bridge_reasoning, data_of, strip_think_buffered, thinking_requested
-from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply
+from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply, UpstreamStream
 
 
 class StreamBroken(Exception):
@@ -30,9 +30,15 @@ class StreamBroken(Exception):
 
 @dataclass
 class ChatResult:
+    """One of: a buffered OpenAI payload, a stream of OpenAI chunk dicts, or (asked for with `raw_stream`)
+    the engine's own SSE byte stream with `strip` saying whether think blocks must still be removed."""
+
     payload: dict[str, Any] | None = None
     chunks: AsyncIterator[dict[str, Any]] | None = None
+    stream: UpstreamStream | None = None
+    strip: bool = False
     headers: dict[str, str] = field(default_factory=dict)
+    queued_secs: float = 0.0
 
 
 def forced_tool(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -98,7 +104,14 @@ def _plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def tool_call_payload(payload: dict[str, Any]) -> dict[str, Any]:
     """The engine's constrained JSON answer -> an OpenAI tool call."""
-    text = ((payload.get("choices") or [{}])[0].get("message") or {}).get("content") or ""
+    choice = (payload.get("choices") or [{}])[0]
+    text = (choice.get("message") or {}).get("content") or ""
+    if choice.get("finish_reason") == "length":
+        spent = (payload.get("usage") or {}).get("completion_tokens")
+        raise Refusal(400, f"the forced tool call was cut off by the request's token limit after {spent} tokens, "
+                      f"in the middle of its arguments: {text[-120:]!r}",
+                      hint="raise max_tokens (or max_completion_tokens) so the whole call fits; a call with a "
+                           "few short arguments needs about 64", code="tool_call_truncated")
     try:
         decided = msgspec.json.decode(text)
         name, arguments = decided["name"], decided["arguments"]
@@ -129,8 +142,10 @@ async def tool_call_chunks(payload: dict[str, Any]) -> AsyncIterator[dict[str, A
 
 
 async def run_chat(services: Any, body: dict[str, Any], headers: Any, *, keep_alive: float | None = None,
-                   num_ctx: int | None = None, spawn_options: dict[str, Any] | None = None) -> ChatResult:
-    """`body` is an OpenAI chat request with `model` and `messages` already validated."""
+                   num_ctx: int | None = None, spawn_options: dict[str, Any] | None = None, choices: int = 1,
+                   raw_stream: bool = False) -> ChatResult:
+    """`body` is an OpenAI chat request with `model` and `messages` already validated. With `raw_stream`
+    a stream comes back as the engine's bytes (the OpenAI route relays them without parsing twice)."""
     model = body["model"]
     strip = not thinking_requested(body)
     body = bridge_reasoning(body)
@@ -146,19 +161,26 @@ async def run_chat(services: Any, body: dict[str, Any], headers: Any, *, keep_al
         payload = tool_call_payload(msgspec.json.decode(reply.body))
         result_headers = {"x-blazar-structured-output": "json_schema", "x-blazar-tool-enforcement": "grammar"}
         if stream:
-            return ChatResult(chunks=tool_call_chunks(payload), headers=result_headers)
-        return ChatResult(payload=payload, headers=result_headers)
-    if stream:
+            return ChatResult(chunks=tool_call_chunks(payload), headers=result_headers, queued_secs=reply.queued_secs)
+        return ChatResult(payload=payload, headers=result_headers, queued_secs=reply.queued_secs)
+    if stream and not raw_stream:
         body = {**body, "stream_options": {"include_usage": True, **(body.get("stream_options") or {})}}
     result = await forward(services, model, UpstreamCall(path="/v1/chat/completions", body=msgspec.json.encode(body),
                                                         stream=stream), headers, keep_alive=keep_alive,
-                           num_ctx=num_ctx, spawn_options=spawn_options)
+                           num_ctx=num_ctx, spawn_options=spawn_options, choices=choices)
+    return completion_result(result, strip=strip, raw_stream=raw_stream)
+
+
+def completion_result(result: UpstreamReply | UpstreamStream, *, strip: bool, raw_stream: bool = False) -> ChatResult:
+    """An engine's chat or completion answer as a ChatResult (an engine error raises its Refusal)."""
     if isinstance(result, UpstreamReply):
         if result.status >= 400:
             raise engine_failure(result)
         payload = msgspec.json.decode(result.body)
-        return ChatResult(payload=strip_think_buffered(payload) if strip else payload)
-    return ChatResult(chunks=_chunks(result, strip))
+        return ChatResult(payload=strip_think_buffered(payload) if strip else payload, queued_secs=result.queued_secs)
+    if raw_stream:
+        return ChatResult(stream=result, strip=strip, queued_secs=result.queued_secs)
+    return ChatResult(chunks=_chunks(result, strip), queued_secs=result.queued_secs)
 
 
 async def _chunks(stream: Any, strip: bool) -> AsyncIterator[dict[str, Any]]:

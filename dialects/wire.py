@@ -6,6 +6,7 @@ No Quart, no actors: translation functions only.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -149,13 +150,14 @@ def data_of(event: bytes) -> bytes | None:
 
 
 class ChatStreamRewriter:
-    """Per-request SSE rewriter: strips think blocks from `delta.content` of every choice."""
+    """Per-request SSE rewriter: strips think blocks from `delta.content` of every choice, and hands each
+    piece of text (chat `delta.content` or completion `text`) to `on_text`."""
 
-    def __init__(self, strip_think: bool) -> None:
+    def __init__(self, strip_think: bool, on_text: Callable[[str], None] | None = None) -> None:
         self.strip_think = strip_think
         self.filters: dict[int, ThinkFilter] = {}
         self.parser = SSEParser()
-        self.text: list[str] = []
+        self.on_text = on_text or (lambda _piece: None)
 
     def feed(self, chunk: bytes) -> bytes:
         out = []
@@ -182,7 +184,10 @@ class ChatStreamRewriter:
                         delta["content"] = visible
                         changed = True
                     content = visible
-                self.text.append(content)
+                if content:
+                    self.on_text(content)
+            elif isinstance(choice.get("text"), str) and choice["text"]:
+                self.on_text(choice["text"])
         if not changed:
             return event + b"\n\n"
         return b"data: " + msgspec.json.encode(payload) + b"\n\n"

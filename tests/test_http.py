@@ -143,3 +143,24 @@ async def test_serve_start_is_recorded_in_the_ledger(gateway):
         events = await gateway.services.ledger.recent_events(kind="serve_started")
     assert '"version"' in events[0]["detail"]
 
+
+
+async def test_an_actor_that_does_not_answer_is_a_teaching_503_in_the_dialects_shape(gateway):
+    """A route whose actor is gone answers 503 with Retry-After in its own dialect's shape, never a raw 500."""
+    closed_send, closed_receive = trio.open_memory_channel(0)
+    closed_receive.close()
+    gateway.services.requests.mailbox = closed_send  # the request registry has stopped
+    chat = {"model": "smollm2:135m", "messages": [{"role": "user", "content": "hi"}]}
+    with trio.fail_after(10):
+        async with gateway.client() as client:
+            openai = await client.post("/v1/chat/completions", json=chat)
+            ollama = await client.post("/api/chat", json={**chat, "stream": False})
+            anthropic = await client.post("/v1/messages", json={**chat, "max_tokens": 8})
+            cards = await client.get("/v1/requests")
+    for response in (openai, ollama, anthropic, cards):
+        assert response.status_code == 503, response.text
+        assert response.headers["retry-after"] == "1"
+    assert "retry in a moment" in openai.json()["error"]["message"]
+    assert openai.json()["error"]["type"] == "all_slots_busy"
+    assert "retry in a moment" in ollama.json()["error"]
+    assert anthropic.json()["error"]["type"] == "overloaded_error"

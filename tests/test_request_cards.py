@@ -97,23 +97,33 @@ async def test_a_buffered_request_can_be_cancelled_but_not_interrupted(nursery, 
             assert missing.status_code == 404 and "/v1/requests" in missing.json()["error"]["message"]
 
 
-async def test_identical_concurrent_requests_share_one_upstream_call(nursery, lane_home):
+SAME_QUESTION = {
+    "/v1/chat/completions": chat_body(text="Name three colours.", max_tokens=40, temperature=0.9, seed=-1),
+    "/api/chat": {"model": "smollm2:135m", "stream": False, "options": {"num_predict": 40, "temperature": 0.9},
+                  "messages": [{"role": "user", "content": "Name three colours."}]},
+}
+
+
+@pytest.mark.parametrize("route", list(SAME_QUESTION))
+async def test_identical_concurrent_requests_share_one_upstream_call(nursery, lane_home, route):
     gateway = await start_gateway(nursery, lane_home)
     answers = []
     with trio.fail_after(60):
         async with gateway.client() as client:
-            await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))
+            await client.post("/api/generate", json={"model": "smollm2:135m"})  # loads it; no card
             served_before = (await ps(client))[0]["served"]
 
             async def ask():
-                answers.append((await client.post("/v1/chat/completions", json=chat_body(
-                    text="Name three colours.", max_tokens=40, temperature=0.9, seed=-1))).json())
+                answers.append((await client.post(route, json=SAME_QUESTION[route])).json())
 
             async with trio.open_nursery() as inner:
                 inner.start_soon(ask)
                 inner.start_soon(ask)
             assert (await ps(client))[0]["served"] == served_before + 1
-    assert answers[0] == answers[1]
+            cards = (await client.get("/v1/requests", params={"state": "done"})).json()["data"]
+            assert sum(card["route"] == route for card in cards) == 2  # two cards, one engine call
+    text = [a["choices"][0]["message"] if route.startswith("/v1") else a["message"] for a in answers]
+    assert text[0] == text[1] and text[0]["content"]
 
 
 async def test_metadata_cards_can_be_updated_after_the_fact(nursery, lane_home):
@@ -163,3 +173,43 @@ async def test_a_buffered_client_that_hangs_up_frees_its_slot(nursery, lane_home
             assert (await ps(client))[0]["in_flight"] == 0
             states = [c["state"] for c in (await client.get("/v1/requests")).json()["data"]]
             assert "disconnected" in states
+
+
+@pytest.mark.parametrize(("route", "kind"), [("/api/chat", "cancel"), ("/v1/messages", "interrupt"),
+                                             ("/v1/completions", "cancel")])
+async def test_every_dialects_streams_have_cards_and_can_be_stopped(nursery, lane_home, route, kind):
+    """The request-session helper covers every dialect: a card with the streamed text, and a stop from
+    another connection that ends the stream in the dialect's own shape."""
+    gateway = await start_gateway(nursery, lane_home)
+    lines: list[str] = []
+    messages = [{"role": "user", "content": LONG["text"]}]
+    body = {"/api/chat": {"model": "smollm2:135m", "messages": messages,
+                          "options": {"num_predict": 400, "temperature": 0}},
+            "/v1/messages": {"model": "smollm2:135m", "messages": messages, "max_tokens": 400, "stream": True,
+                             "temperature": 0},
+            "/v1/completions": {"model": "smollm2:135m", "prompt": LONG["text"], "max_tokens": 400, "stream": True,
+                                "temperature": 0, "ignore_eos": True}}[route]
+    with trio.fail_after(60):
+        async with gateway.client() as client, gateway.client() as operator:
+            await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))
+
+            async def stream():
+                async with client.stream("POST", route, json=body) as response:
+                    async for line in response.aiter_lines():
+                        if line.strip():
+                            lines.append(line)
+
+            async with trio.open_nursery() as inner:
+                inner.start_soon(stream)
+                card = await _running_card(operator)
+                assert card["route"] == route and card["stream"] is True
+                assert (await operator.post(f"/v1/requests/{card['id']}/{kind}")).status_code == 200
+            final = (await operator.get(f"/v1/requests/{card['id']}")).json()
+    assert final["state"] == ("cancelled" if kind == "cancel" else "interrupted") and final["partial"].strip()
+    if route == "/api/chat":
+        assert "cancelled from another connection" in json.loads(lines[-1])["error"]
+        assert len(lines) < 300
+    elif route == "/v1/completions":
+        assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["code"] == 499
+    else:
+        assert lines[-1] == "data: {\"type\":\"message_stop\"}" or "message_stop" in lines[-1]

@@ -8,8 +8,9 @@ from typing import Any
 import msgspec
 from quart import Blueprint, Response, current_app, request
 
-from dialects.chat_core import StreamBroken, run_chat
+from dialects.chat_core import StreamBroken
 from dialects.edge import Refusal, count_input_tokens, refuse
+from dialects.session import chat_session
 from dialects.wire import RequestError, decode_object
 
 from . import translate as t
@@ -29,7 +30,7 @@ async def messages():
     try:
         body = await _body()
         canonical = t.to_openai(body)
-        result = await run_chat(current_app.services, canonical, request.headers)
+        result = await chat_session(current_app.services, canonical, request.headers)
     except (RequestError, Refusal) as error:
         return refuse(error)
     model = canonical["model"]

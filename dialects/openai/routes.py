@@ -2,37 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 import trio
 from quart import Blueprint, Response, current_app, request
 
-from dialects.chat_core import forced_tool, run_chat
-from dialects.edge import (
-    Refusal,
-    admit_request,
-    count_input_tokens,
-    engine_failure,
-    follow_or_lead,
-    forward,
-    json_reply,
-    refuse,
-    sse_response,
-    tracked,
-)
-from dialects.wire import (
-    ChatStreamRewriter,
-    RequestError,
-    bridge_reasoning,
-    check_choices,
-    decode_object,
-    require_model,
-    strip_think_buffered,
-    thinking_requested,
-)
+from dialects.chat_core import ChatResult, StreamBroken, completion_result, run_chat
+from dialects.edge import Refusal, count_input_tokens, forward, json_reply, refuse
+from dialects.session import RequestSession, flight_key
+from dialects.wire import ChatStreamRewriter, RequestError, check_choices, decode_object, require_model
 from lanes import lane_for
-from supervisors.instance import UpstreamCall, UpstreamReply
+from supervisors.instance import UpstreamCall
 
 from .translate import check_chat, check_metadata, structured_output_receipt
 
@@ -64,6 +46,7 @@ def cancel_frame(message: str) -> bytes:
 
 @blueprint.post("/v1/chat/completions")
 async def chat_completions():
+    """A mailbox: validate, then the canonical chat call inside a request session; relay its answer."""
     services = current_app.services
     try:
         body = await _body()
@@ -72,122 +55,42 @@ async def chat_completions():
         choices = check_choices(body)
         metadata = check_metadata(body)
         body.pop("metadata", None)
-        strip = not thinking_requested(body)
-        body = bridge_reasoning(body)
-        headers = {}
         receipt = structured_output_receipt(body)
-        if receipt:
-            headers["x-blazar-structured-output"] = receipt
-        stream = body.get("stream") is True
-        encoded = msgspec.json.encode(body)
-        if forced_tool(body) is not None:
-            return await _enforced_tool_call(body)
-        # Admitted before singleflight: a follower served from another request's answer still counts.
-        charge = await admit_request(services, model)
+        session = await RequestSession.open(services, model, stream=body.get("stream") is True,
+                                            flight=flight_key(body))
+        result = await session.run(lambda: run_chat(services, body, request.headers, choices=choices,
+                                                    raw_stream=True))
     except (RequestError, Refusal) as error:
         return refuse(error)
-    flight_key = None if stream else f"{model}\0{request.headers.get('x-blazar-num-ctx', '')}\0{encoded.decode()}"
-    owner = request.scope.get("blazar.key") if request.scope.get("blazar.auth") else None
-    control = await services.requests.open(trace_id=request.scope.get("blazar.trace_id", ""), model=model,
-                                           route=request.path, stream=stream, flight_key=flight_key,
-                                           key=owner.name if owner is not None else None)
-    started = trio.current_time()
-    upstream = UpstreamCall(path="/v1/chat/completions", body=encoded, stream=stream)
-    if not stream:
-        state = "failed"
-        outcome: Any = None  # what followers of this flight receive if this request led it
-        led = control.follow is None
-        closing: dict[str, Any] = {}
-        try:
-            async def ask() -> UpstreamReply:
-                return await forward(services, model, upstream, request.headers, choices=choices)
-
-            result, led = await tracked(services, control, lambda: follow_or_lead(control, ask))
-            outcome = result
-            if result.status >= 400:
-                raise engine_failure(result)
-            payload = msgspec.json.decode(result.body)  # parsed once: stripped, recorded, re-encoded
-            if not led and charge is not None:
-                usage = payload.get("usage") or {}
-                charge(int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0))
-            if strip:
-                payload = strip_think_buffered(payload)
-            response = Response(msgspec.json.encode(payload), status=result.status, headers=headers,
-                                content_type="application/json")
-            state = "done"
-            usage = payload.get("usage") or {}
-            closing = {"partial": _message_text(payload), "tokens": usage.get("completion_tokens"),
-                       "queue_ms": round(result.queued_secs * 1000, 1)}
-            if metadata is not None and payload.get("id"):
-                services.requests.save_completion({"id": payload["id"], "object": "chat.completion",
-                                                   "created": payload.get("created"), "model": payload.get("model"),
-                                                   "metadata": metadata})
-            return response
-        except (RequestError, Refusal) as error:
-            state = "cancelled" if isinstance(error, Refusal) and error.status == 499 else "failed"
-            if isinstance(error, Refusal) and error.status != 499:
-                outcome = error
-            return refuse(error)
-        except BaseException:
-            state = "disconnected"
-            raise
-        finally:
-            elapsed_ms = round((trio.current_time() - started) * 1000, 1)
-            await services.requests.close(control.id, state, compute_ms=elapsed_ms,
-                                          flight_key=flight_key if led else None, result=outcome, **closing)
-    try:
-        result = await tracked(services, control, lambda: forward(services, model, upstream, request.headers,
-                                                                         choices=choices))
-    except (RequestError, Refusal) as error:
-        await services.requests.close(control.id, "failed")
-        return refuse(error)
-    if isinstance(result, UpstreamReply):
-        await services.requests.close(control.id, "failed" if result.status >= 400 else "done")
-        try:
-            return json_reply(result, strip_think_buffered if strip else None, headers)
-        except Refusal as error:
-            return refuse(error)
-    rewriter = ChatStreamRewriter(strip_think=strip)
-    services.requests.update(control.id, state="running", queue_ms=round(result.queued_secs * 1000, 1))
-    reported = 0
-
-    def rewrite(chunk: bytes) -> bytes:
-        nonlocal reported
-        out = rewriter.feed(chunk)
-        if len(rewriter.text) - reported >= 8:
-            services.requests.update(control.id, partial="".join(rewriter.text[reported:]))
-            reported = len(rewriter.text)
-        return out
-
-    async def finish(state: str) -> None:
-        services.requests.update(control.id, partial="".join(rewriter.text[reported:]))
-        await services.requests.close(control.id, state, tokens=len(rewriter.text),
-                                      compute_ms=round((trio.current_time() - started) * 1000, 1))
-
-    return sse_response(result, rewrite, openai_error_frame, headers, control=control,
-                        interrupt_frame=lambda: interrupt_frame(control.id), cancel_frame=cancel_frame, finish=finish)
-
-
-async def _enforced_tool_call(body: dict[str, Any]) -> Response:
-    """A forced tool call (tool_choice required or named): grammar-enforced, as a real tool call."""
-    result = await run_chat(current_app.services, body, request.headers)
+    headers = {"x-blazar-structured-output": receipt} if receipt else {}
+    headers.update(result.headers)
     if result.payload is not None:
-        return Response(msgspec.json.encode(result.payload), content_type="application/json", headers=result.headers)
+        payload = result.payload
+        if metadata is not None and payload.get("id"):
+            services.requests.save_completion({"id": payload["id"], "object": "chat.completion",
+                                               "created": payload.get("created"), "model": payload.get("model"),
+                                               "metadata": metadata})
+        return Response(msgspec.json.encode(payload), headers=headers, content_type="application/json")
+    if result.chunks is not None:  # a forced tool call, replayed as chunks
+        return _chunk_frames(result.chunks, headers)
+    rewriter = ChatStreamRewriter(strip_think=result.strip, on_text=session.saw)
+    return session.sse(result, rewriter.feed, openai_error_frame, headers=headers,
+                       interrupt_frame=lambda: interrupt_frame(session.id), cancel_frame=cancel_frame)
 
-    async def frames():
-        async for chunk in result.chunks:
-            yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+
+def _chunk_frames(chunks: AsyncIterator[dict[str, Any]], headers: dict[str, str]) -> Response:
+    async def frames() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+        except StreamBroken as error:
+            yield cancel_frame(str(error))
+            return
         yield b"data: [DONE]\n\n"
 
-    response = Response(frames(), content_type="text/event-stream", headers={"cache-control": "no-cache",
-                                                                             **result.headers})
+    response = Response(frames(), content_type="text/event-stream", headers={"cache-control": "no-cache", **headers})
     response.timeout = None
     return response
-
-
-def _message_text(payload: dict[str, Any]) -> str:
-    choices = payload.get("choices") or [{}]
-    return str((choices[0].get("message") or {}).get("content") or "")
 
 
 @blueprint.post("/v1/chat/completions/<completion_id>")
@@ -197,45 +100,57 @@ async def update_completion(completion_id: str):
         metadata = check_metadata(body, required=True)
     except (RequestError, Refusal) as error:
         return refuse(error)
-    from supervisors.actor import ActorError
-
-    try:
-        card = await current_app.services.requests.update_completion(completion_id, metadata)
-    except ActorError as error:
-        return Refusal.from_err(error.err).response(request.path)
+    card = await current_app.services.requests.update_completion(completion_id, metadata)  # refusals: app.py
     return Response(msgspec.json.encode(card), content_type="application/json")
 
 
-async def _passthrough(path: str, *, stream_ok: bool = True):
+async def _passthrough(path: str):
+    """Embeddings and rerank: one engine answer, relayed as it is (not a generation, so no card)."""
     try:
         body = await _body()
         model = require_model(body)
-        choices = check_choices(body) if "n" in body else 1
-        stream = stream_ok and body.get("stream") is True
-        result = await forward(current_app.services, model, UpstreamCall(
-            path=path, body=msgspec.json.encode(body), stream=stream), request.headers, choices=choices)
-        if isinstance(result, UpstreamReply):
-            return json_reply(result)
-        rewriter = ChatStreamRewriter(strip_think=False)
-        return sse_response(result, rewriter.feed, openai_error_frame)
+        result = await forward(current_app.services, model, UpstreamCall(path=path, body=msgspec.json.encode(body)),
+                               request.headers)
+        return json_reply(result)
     except (RequestError, Refusal) as error:
         return refuse(error)
 
 
 @blueprint.post("/v1/completions")
 async def completions():
-    return await _passthrough("/v1/completions")
+    """Text completion inside a request session, relayed as the engine's bytes when streamed."""
+    services = current_app.services
+    try:
+        body = await _body()
+        model = require_model(body)
+        choices = check_choices(body) if "n" in body else 1
+        stream = body.get("stream") is True
+        session = await RequestSession.open(services, model, stream=stream, flight=flight_key(body))
+
+        async def ask() -> ChatResult:
+            return completion_result(await forward(services, model, UpstreamCall(
+                path="/v1/completions", body=msgspec.json.encode(body), stream=stream), request.headers,
+                choices=choices), strip=False, raw_stream=True)
+
+        result = await session.run(ask)
+    except (RequestError, Refusal) as error:
+        return refuse(error)
+    if result.payload is not None:
+        return Response(msgspec.json.encode(result.payload), content_type="application/json")
+    rewriter = ChatStreamRewriter(strip_think=False, on_text=session.saw)
+    return session.sse(result, rewriter.feed, openai_error_frame, cancel_frame=cancel_frame,
+                       interrupt_frame=lambda: interrupt_frame(session.id))
 
 
 @blueprint.post("/v1/embeddings")
 async def embeddings():
-    return await _passthrough("/v1/embeddings", stream_ok=False)
+    return await _passthrough("/v1/embeddings")
 
 
 @blueprint.post("/v1/rerank")
 @blueprint.post("/v1/reranking")
 async def rerank():
-    return await _passthrough("/v1/rerank", stream_ok=False)
+    return await _passthrough("/v1/rerank")
 
 
 @blueprint.post("/v1/chat/completions/input_tokens")
