@@ -7,16 +7,16 @@ its exit, always stopped and reaped.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import httpx
 import trio
 
-from .child import ChildFailed, EngineProcess, free_port
+from .child import ChildFailed, EngineHTTP, EngineProcess, free_port
 from .llamacpp import HEALTH_PATH
 
 PROMPT = ("Explain, in plain words, how a bicycle stays upright while it is moving, and why it falls "
@@ -38,19 +38,20 @@ async def _measure(binary: Path, model: Path, *, runs: int, n_predict: int, thre
     child = EngineProcess(argv, name=binary.name)
     base = f"http://127.0.0.1:{port}"
     prompt_tps, generation_tps = [], []
-    async with httpx.AsyncClient(timeout=60) as client, trio.open_nursery() as nursery:
+    async with EngineHTTP() as http, trio.open_nursery() as nursery:
         try:
             await child.start(nursery)
             try:
-                await child.wait_ready(client, base + HEALTH_PATH, ready_timeout)
+                await child.wait_ready(http, base + HEALTH_PATH, ready_timeout)
             except ChildFailed as failure:
                 raise RuntimeError(str(failure)) from None
             for _ in range(runs):
-                response = await client.post(f"{base}/completion", json={
+                response = await http.request("POST", f"{base}/completion", json.dumps({
                     "prompt": PROMPT, "n_predict": n_predict, "temperature": 0, "cache_prompt": False,
-                    "ignore_eos": True})
-                response.raise_for_status()
-                timings = response.json()["timings"]
+                    "ignore_eos": True}).encode(), read_secs=60)
+                if response.status != 200:
+                    raise RuntimeError(f"{binary.name} answered {response.status}: {response.content[:300]!r}")
+                timings = json.loads(response.content)["timings"]
                 prompt_tps.append(float(timings["prompt_per_second"]))
                 generation_tps.append(float(timings["predicted_per_second"]))
         finally:

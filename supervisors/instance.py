@@ -40,12 +40,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpcore
 import msgspec
 import trio
 
 from lanes.base import Lane
-from lanes.child import ChildFailed, EngineProcess, free_port
+from lanes.child import TRANSPORT_ERRORS, ChildFailed, EngineHTTP, EngineProcess, free_port, header
 
 from .actor import Envelope, Err, Ok, answer, tell
 
@@ -248,7 +248,7 @@ class Instance:
         self.running: dict[int, trio.CancelScope] = {}  # ticket -> its upstream request, while in flight
         self._seq = itertools.count()
         self.mailbox: trio.MemorySendChannel | None = None
-        self.client: httpx.AsyncClient | None = None
+        self.http: EngineHTTP | None = None
 
     # ------------------------------------------------------------ run
 
@@ -256,10 +256,8 @@ class Instance:
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self.mailbox = mailbox
         try:
-            async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
-                                         limits=httpx.Limits(max_keepalive_connections=64)) as client, \
-                    trio.open_nursery() as nursery:
-                self.client = client
+            async with EngineHTTP() as http, trio.open_nursery() as nursery:
+                self.http = http
                 self.nursery = nursery
                 task_status.started()
                 nursery.start_soon(self._spawn)
@@ -510,8 +508,8 @@ class Instance:
         try:
             await self.child.start(self.nursery, on_exit=self._on_child_exit)
             await trio.to_thread.run_sync(self._write_pidfile)
-            assert self.client is not None
-            await self.child.wait_ready(self.client, f"http://127.0.0.1:{self.port}{self.engine_lane.health_path}",
+            assert self.http is not None
+            await self.child.wait_ready(self.http, f"http://127.0.0.1:{self.port}{self.engine_lane.health_path}",
                                         self.spawn_timeout)
         except ChildFailed as failure:
             tell(self.mailbox, _SpawnFailed(reason=str(failure)))
@@ -561,43 +559,45 @@ class Instance:
                                                                         trio.ClosedResourceError):
                     await self.mailbox.send(_Finished(ticket=waiter.ticket, clean=clean))
 
-    async def _request(self, call: UpstreamCall, url: str, headers: dict[str, str]) -> httpx.Response:
-        assert self.client is not None
-        try:
-            return await self.client.request(call.method, url, content=call.body or None, headers=headers)
-        except httpx.RemoteProtocolError:
-            if self.child is None or not self.child.alive:
-                raise
-            # The engine closed a pooled keep-alive connection (it does after a stream): the request never
-            # reached it, so it is safe to send once more on a fresh connection.
-            return await self.client.request(call.method, url, content=call.body or None, headers=headers)
+    async def _request(self, call: UpstreamCall, url: str) -> tuple[int, bytes, str]:
+        assert self.http is not None
+        for attempt in (1, 2):
+            try:
+                response = await self.http.request(call.method, url, call.body, call.content_type)
+                return response.status, response.content, header(response, b"content-type")
+            except httpcore.RemoteProtocolError:
+                if attempt == 2 or self.child is None or not self.child.alive:
+                    raise
+                # The engine closed a pooled keep-alive connection (it does after a stream): the request never
+                # reached it, so it is safe to send once more on a fresh connection.
+        raise AssertionError("unreachable")
 
     async def _exchange(self, waiter: _Waiter, queued_secs: float) -> bool:
         """Relay one request; True when the engine answered without breaking."""
         call = waiter.call
         url = f"http://127.0.0.1:{self.port}{call.path}"
-        headers = {"content-type": call.content_type}
         lane = self.engine_lane
-        assert self.client is not None
+        assert self.http is not None
         try:
             if not call.stream:
-                response = await self._request(call, url, headers)
-                answer(waiter.reply, Ok(self._reply(response.status_code, response.content, response, queued_secs)))
-                if response.status_code == 200 and call.path in lane.generation_paths:
-                    self._observe(waiter, queued_secs, lane.decode(response.content), first_chunk=None)
+                status, body, content_type = await self._request(call, url)
+                answer(waiter.reply, Ok(self._reply(status, body, content_type, queued_secs)))
+                if status == 200 and call.path in lane.generation_paths:
+                    self._observe(waiter, queued_secs, lane.decode(body), first_chunk=None)
                 return True
             async with contextlib.AsyncExitStack() as stack:
                 try:
                     response = await stack.enter_async_context(
-                        self.client.stream(call.method, url, content=call.body, headers=headers))
-                except httpx.RemoteProtocolError:
+                        self.http.stream(call.method, url, call.body, call.content_type))
+                except httpcore.RemoteProtocolError:
                     if self.child is None or not self.child.alive:
                         raise
                     response = await stack.enter_async_context(  # a stale pooled connection: once more
-                        self.client.stream(call.method, url, content=call.body, headers=headers))
-                if response.status_code != 200 or "text/event-stream" not in response.headers.get("content-type", ""):
+                        self.http.stream(call.method, url, call.body, call.content_type))
+                content_type = header(response, b"content-type")
+                if response.status != 200 or "text/event-stream" not in content_type:
                     body = await response.aread()
-                    answer(waiter.reply, Ok(self._reply(response.status_code, body, response, queued_secs)))
+                    answer(waiter.reply, Ok(self._reply(response.status, body, content_type, queued_secs)))
                     return True
                 send, receive = trio.open_memory_channel[StreamChunk | StreamFailure](STREAM_BUFFER)
                 with send:
@@ -608,7 +608,7 @@ class Instance:
                     first_chunk: float | None = None
                     tail = b""
                     try:
-                        async for chunk in response.aiter_raw():
+                        async for chunk in response.aiter_stream():
                             if first_chunk is None:
                                 first_chunk = trio.current_time() - sent_at
                             tail = (tail + chunk)[-8192:]
@@ -616,21 +616,20 @@ class Instance:
                         if call.path in lane.generation_paths:
                             self._observe(waiter, queued_secs, lane.final_event(tail), first_chunk=first_chunk)
                         return True
-                    except httpx.TransportError as error:
+                    except TRANSPORT_ERRORS as error:
                         await trio.sleep(0.05)  # let the exit watcher and output drain see the crash
                         with contextlib.suppress(trio.BrokenResourceError):
                             await send.send(StreamFailure(message=self._broken(error)))
                         return False
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return True  # the client hung up: leaving the `async with` closes the upstream request
-        except httpx.TransportError as error:
+        except TRANSPORT_ERRORS as error:
             await trio.sleep(0.05)
             answer(waiter.reply, Err("engine_error", self._broken(error), status=502))
             return False
 
-    def _reply(self, status: int, body: bytes, response: httpx.Response, queued_secs: float) -> UpstreamReply:
-        return UpstreamReply(status=status, body=body, content_type=response.headers.get("content-type", ""),
-                             queued_secs=queued_secs,
+    def _reply(self, status: int, body: bytes, content_type: str, queued_secs: float) -> UpstreamReply:
+        return UpstreamReply(status=status, body=body, content_type=content_type, queued_secs=queued_secs,
                              engine_message=self.engine_lane.error_text(body) if status >= 400 else "")
 
     def _observe(self, waiter: _Waiter, queued: float, payload: dict[str, Any], first_chunk: float | None) -> None:
