@@ -83,6 +83,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     spawn_timeout_secs: float = 120.0
     spawn_mem_floor_mib: int = 512
     breaker_cooldown_secs: float = 60.0
+    ollama_strict_options: bool = False
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     models: dict[str, ModelSettings] = {}
     keys: list[KeyEntry] = []
@@ -103,6 +104,9 @@ KEY_DOCS: dict[str, str] = {
     "spawn_mem_floor_mib": "MemAvailable that must remain after loading a model",
     "breaker_cooldown_secs": "after a model's engine crashed 3 times in 5 minutes, how long before one probe request "
                              "may start it again (doubles per failed probe, up to 15 minutes)",
+    "ollama_strict_options": "refuse (400) Ollama options and fields that have no effect here or that no Ollama "
+                             "version knows, instead of serving them and naming them in x-blazar-ignored-options "
+                             "/ x-blazar-ignored-fields",
     "engine.retention": "engines kept by `engine prune` besides the active one",
     "engine.update_tolerance_pct": "largest tokens/s regression `engine update` accepts",
     "models.<name>.num_ctx": "context length for that model",
@@ -354,9 +358,10 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
 
 def _env_value(raw: str) -> Any:
     try:
-        return tomlkit.parse(f"v = {raw}")["v"].unwrap()  # type: ignore[union-attr]
+        value = tomlkit.parse(f"v = {raw}")["v"]
     except Exception:
         return raw
+    return value.unwrap() if hasattr(value, "unwrap") else value  # tomlkit gives a plain bool for true/false
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

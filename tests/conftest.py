@@ -141,6 +141,20 @@ def shared_smollm2(shared_home: Paths) -> Path:
         pytest.fail(f"smollm2:135m is not pulled in {shared_home.home}: run ./scripts/test")
 
 
+@pytest.fixture
+async def live(nursery, home: Paths, shared_home: Paths, shared_engine) -> Gateway:
+    """A gateway on the real llama-server with SmolLM2, its child already warm."""
+    from tests.lane_fixtures import add_shared_model, register_engine
+
+    register_engine(home, shared_engine.binary, shared_engine.tag)
+    add_shared_model(home, shared_home)
+    gateway = await start_gateway(nursery, home)
+    async with gateway.client() as client:
+        await client.post("/v1/chat/completions", json={"model": "smollm2:135m", "max_tokens": 1,
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+    return gateway
+
+
 # ---------------------------------------------------------------- no secret in any log of the run
 
 ISSUED_SECRETS: set[str] = set()

@@ -34,7 +34,9 @@ async def test_every_post_route_refuses_garbage_with_a_teaching_4xx(gateway):
 
 
 @pytest.mark.parametrize(("path", "body", "needle"), [
-    ("/api/chat", {"model": "x", "messages": [], "options": {"bogus": 1}}, "unknown option 'bogus'"),
+    ("/api/chat", {"model": "x", "messages": [], "options": {"temperature": "hot"}},
+     "options.temperature must be a number, got 'hot'"),
+    ("/api/embed", {"model": "x", "input": "x", "options": {"stop": 5}}, "options.stop must be a string"),
     ("/api/chat", {"model": "x", "messages": [{"role": "user", "content": "x"}], "format": 5}, "`format`"),
     ("/api/generate", {"model": "x", "prompt": 5}, "`prompt` must be a string"),
     ("/api/embed", {"model": "x", "input": 5}, "`input` must be a string"),

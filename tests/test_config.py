@@ -86,8 +86,10 @@ def test_wrong_type_in_file_names_the_key(tmp_path: Path):
 
 
 def test_environment_overrides_file_which_overrides_defaults(config_file: ConfigFile):
-    env = {"BLAZAR_HOST": "127.0.0.1:9000", "BLAZAR_KEEP_ALIVE": "10m", "BLAZAR_ENGINE__RETENTION": "7"}
+    env = {"BLAZAR_HOST": "127.0.0.1:9000", "BLAZAR_KEEP_ALIVE": "10m", "BLAZAR_ENGINE__RETENTION": "7",
+           "BLAZAR_OLLAMA_STRICT_OPTIONS": "true"}
     config = config_file.load(env)
+    assert config.ollama_strict_options is True  # a boolean from the environment is a boolean
     assert config.bind == "127.0.0.1:9000"
     assert config.keep_alive == "10m"
     assert config.engine.retention == 7

@@ -11,10 +11,7 @@ import openai
 import pytest
 import trio
 
-from blazar.paths import Paths
-from tests.conftest import start_gateway
 from tests.fakehub import make_gguf, start_fake_hub
-from tests.lane_fixtures import add_shared_model, register_engine
 
 pytestmark = pytest.mark.engine
 
@@ -23,17 +20,6 @@ QUESTION = "What is the capital of France?"
 GREEDY = {"temperature": 0}  # this SDK version has no temperature argument: sent as an extra body field
 WEATHER = {"name": "get_weather", "description": "Current weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-
-
-@pytest.fixture
-async def live(nursery, home: Paths, shared_home: Paths, shared_engine):
-    register_engine(home, shared_engine.binary, shared_engine.tag)
-    add_shared_model(home, shared_home)
-    gateway = await start_gateway(nursery, home)
-    async with gateway.client() as client:  # warm the child once
-        await client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 1,
-                                                        "messages": [{"role": "user", "content": "hi"}]})
-    return gateway
 
 
 def run(function):

@@ -13,23 +13,49 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     "type": "object", "properties": {"city": {"type": "string"}}}}}
 
 
-@pytest.mark.parametrize(("options", "fields", "num_ctx"), [
-    (None, {}, None),
+@pytest.mark.parametrize(("options", "fields", "num_ctx", "spawn", "ignored"), [
+    (None, {}, None, None, []),
     ({"temperature": 0.2, "num_predict": 5, "stop": ["x"], "seed": 7}, {"temperature": 0.2, "max_tokens": 5,
-                                                                        "stop": ["x"], "seed": 7}, None),
-    ({"num_ctx": 2048, "top_k": 3}, {"top_k": 3}, 2048),
-    ({"repeat_penalty": 1.1, "num_thread": 2}, {"repeat_penalty": 1.1}, None),
+                                                                        "stop": ["x"], "seed": 7}, None, None, []),
+    ({"num_ctx": 2048, "top_k": 3}, {"top_k": 3}, 2048, None, []),
+    ({"repeat_penalty": 1.1, "num_thread": 2}, {"repeat_penalty": 1.1}, None, {"num_thread": 2}, []),
+    # what LangChain's ChatOllama/OllamaEmbeddings send: tfs_z is served and reported, not refused
+    ({"temperature": 0.5, "tfs_z": 1.0, "penalize_newline": True, "mirostat": 0}, {"temperature": 0.5, "mirostat": 0},
+     None, None, ["tfs_z", "penalize_newline"]),
+    ({"temprature": 1, "top_k": 40.0}, {"top_k": 40}, None, None, ["temprature"]),  # a typo is served, and named
+    ({"seed": None, "stop": "END", "tfs_z": None}, {"stop": "END"}, None, None, []),  # null means unset
 ])
-def test_ollama_options(options, fields, num_ctx):
-    assert ollama.options_to_fields(options) == (fields, num_ctx)
+def test_ollama_options(options, fields, num_ctx, spawn, ignored):
+    read = ollama.read_options(options)
+    assert (read.fields, read.num_ctx, read.spawn, read.ignored) == (fields, num_ctx, spawn, ignored)
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({"temprature": 1}, "unknown option 'temprature'"), ([1], "must be an object"), ({"num_ctx": 5}, "≥ 128"),
+def test_ollama_embeddings_report_sampling_options_as_unused():
+    read = ollama.read_options({"temperature": 0.1, "tfs_z": 1, "num_ctx": 1024}, sampling=False)
+    assert read.fields == {} and read.num_ctx == 1024 and read.ignored == ["temperature", "tfs_z"]
+
+
+@pytest.mark.parametrize(("options", "strict", "message"), [
+    ([1], False, "must be an object"),
+    ({"num_ctx": 5}, False, "≥ 128"),
+    ({"temperature": "hot"}, False, "options.temperature must be a number, got 'hot'"),
+    ({"top_k": 2.5}, False, "options.top_k must be a whole number"),
+    ({"seed": True}, False, "options.seed must be a whole number"),
+    ({"stop": [1]}, False, "options.stop must be a string or an array of strings"),
+    ({"temprature": 1}, True, "unknown option 'temprature'.*ollama_strict_options = true.*Accepted: .*temperature"),
+    ({"tfs_z": 1}, True, "option 'tfs_z' \\(no effect on llama-server\\).*ollama_strict_options"),
 ])
-def test_ollama_bad_options_teach(options, message):
+def test_ollama_bad_options_teach(options, strict, message):
     with pytest.raises(RequestError, match=message):
-        ollama.options_to_fields(options)
+        ollama.read_options(options, strict=strict)
+
+
+def test_unknown_top_level_fields_are_reported_or_refused_when_strict():
+    body = {"model": "m", "prompt": "p", "suffix": "s", "context": [1, 2]}
+    assert ollama.ignored_fields("generate", body) == ["suffix", "context"]
+    assert ollama.ignored_fields("chat", {"model": "m", "messages": [], "stream": False}) == []
+    with pytest.raises(RequestError, match="unknown fields 'suffix', 'context' on /api/generate; accepted: "):
+        ollama.ignored_fields("generate", body, strict=True)
 
 
 @pytest.mark.parametrize(("fmt", "expected"), [
@@ -63,10 +89,10 @@ def test_ollama_think(think, fields):
 
 
 def test_ollama_generate_builds_system_and_user_messages():
-    request, num_ctx = ollama.canonical_generate({"model": "m", "prompt": "p", "system": "s", "stream": False,
-                                                  "options": {"num_ctx": 512}})
+    body = {"model": "m", "prompt": "p", "system": "s", "stream": False, "options": {"num_ctx": 512, "top_k": 4}}
+    request = ollama.canonical_generate(body, ollama.read_options(body["options"]))
     assert request["messages"] == [{"role": "system", "content": "s"}, {"role": "user", "content": "p"}]
-    assert request["stream"] is False and num_ctx == 512
+    assert request["stream"] is False and request["top_k"] == 4
 
 
 def test_ollama_tool_calls_from_openai():

@@ -85,8 +85,7 @@ async def test_ollama_spawn_options_map_to_flags_or_teach(nursery, fake_home):
                                                             "messages": [{"role": "user", "content": "hi"}]})
 
             for options, needle in (({"num_gpu": 20}, "CPU build"), ({"low_vram": True}, "no low-VRAM mode"),
-                                    ({"num_batch": 0}, "≥ 1"), ({"use_mlock": "yes"}, "true or false"),
-                                    ({"f16_kv": True}, "no longer does anything")):
+                                    ({"num_batch": 0}, "≥ 1"), ({"use_mlock": "yes"}, "true or false")):
                 refused = await chat(**options)
                 assert refused.status_code == 400, options
                 assert needle in refused.json()["error"], options
@@ -129,3 +128,50 @@ async def test_ps_reports_the_blob_digest_and_no_vram_on_a_cpu_engine(nursery, f
             [row] = (await client.get("/api/ps")).json()["models"]
     assert row["digest"] == Store(fake_home).get("fake:1").blob and len(row["digest"]) == 64
     assert row["size_vram"] == 0 and row["gpu_engine"] is False
+
+
+async def test_ollama_options_without_effect_are_served_named_and_logged_once(nursery, fake_home, caplog):
+    """Like Ollama, an option it once knew (tfs_z, f16_kv) or one no version knows is served; unlike Ollama, the
+    answer says so in a header, and the log says it once per model and option, not once per request."""
+    gateway = await start_gateway(nursery, fake_home)
+    body = {"model": "fake:1", "stream": False, "suffix": "never read", "messages": [{"role": "user", "content": "hi"}],
+            "options": {"temperature": 0.2, "tfs_z": 1.0, "f16_kv": True, "brand_new_knob": 3}}
+    with trio.fail_after(60):
+        async with gateway.client() as client:
+            answers = [await client.post("/api/chat", json=body) for _ in range(3)]
+            async with client.stream("POST", "/api/chat", json={**body, "stream": True}) as streamed:
+                lines = [line async for line in streamed.aiter_lines() if line]
+            loaded = await client.post("/api/generate", json={"model": "fake:1", "options": {"tfs_z": 1}})
+    for response in [*answers, streamed, loaded]:
+        assert response.status_code == 200
+    for response in [*answers, streamed]:
+        assert response.headers["x-blazar-ignored-options"] == "tfs_z,f16_kv,brand_new_knob"
+        assert response.headers["x-blazar-ignored-fields"] == "suffix"
+    assert answers[0].json()["message"]["content"] and json_lines_end_done(lines)
+    assert loaded.headers["x-blazar-ignored-options"] == "tfs_z" and loaded.json()["done_reason"] == "load"
+    warnings = [r.getMessage() for r in caplog.records if "served without it" in r.getMessage()]
+    assert len(warnings) == 4, warnings  # tfs_z, f16_kv, brand_new_knob, suffix: once each for fake:1
+    assert any("'tfs_z' has no effect on llama-server" in w for w in warnings)
+    assert any("'brand_new_knob' is not one this gateway knows" in w for w in warnings)
+
+
+def json_lines_end_done(lines: list[str]) -> bool:
+    return msgspec.json.decode(lines[-1])["done"] is True and len(lines) > 2
+
+
+async def test_strict_ollama_options_refuse_what_has_no_effect(nursery, fake_home):
+    gateway = await start_gateway(nursery, fake_home, ollama_strict_options=True)
+    chat = {"model": "fake:1", "stream": False, "messages": [{"role": "user", "content": "hi"}]}
+    with trio.fail_after(60):
+        async with gateway.client() as client:
+            no_effect = await client.post("/api/chat", json={**chat, "options": {"tfs_z": 1.0}})
+            unknown = await client.post("/api/chat", json={**chat, "options": {"brand_new_knob": 1}})
+            field = await client.post("/api/chat", json={**chat, "suffix": "x"})
+            assert await ps(client) == []  # nothing loaded for a refused request
+            acting = await client.post("/api/chat", json={**chat, "options": {"temperature": 0.1, "num_ctx": 2048}})
+    assert no_effect.status_code == unknown.status_code == field.status_code == 400
+    assert "'tfs_z' (no effect on llama-server)" in no_effect.json()["error"]
+    assert "unknown option 'brand_new_knob'" in unknown.json()["error"]
+    assert "ollama_strict_options false" in unknown.json()["error"]
+    assert "unknown field 'suffix' on /api/chat" in field.json()["error"]
+    assert acting.status_code == 200 and "x-blazar-ignored-options" not in acting.headers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,8 +14,9 @@ from quart import Blueprint, Response, current_app, request
 from blazar import __version__
 from blazar.config import ConfigError, parse_duration
 from blazar.sysinfo import gpu_memory_by_pid
-from dialects.chat_core import StreamBroken, ToolCallAccumulator, run_chat
+from dialects.chat_core import ChatResult, StreamBroken, ToolCallAccumulator, completion_result
 from dialects.edge import Refusal, ensure_model, forward, refuse, submit
+from dialects.session import RequestSession, chat_session, flight_key
 from dialects.wire import RequestError, decode_object
 from supervisors.actor import ActorError
 from supervisors.instance import UpstreamCall
@@ -24,8 +26,52 @@ from . import translate as t
 blueprint = Blueprint("ollama", __name__)
 
 
-def _json(payload: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(payload), status=status, content_type="application/json")
+log = logging.getLogger("blazar.ollama")
+
+
+def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(payload), status=status, content_type="application/json", headers=headers)
+
+
+class _OnceEach:
+    """Remembers which (model, name) pairs were already logged, so a client that sends the same unused option
+    on every request costs one log line, not one per request. Bounded."""
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, str]] = set()
+
+    def first(self, model: str, name: str) -> bool:
+        if (model, name) in self.seen or len(self.seen) >= self.LIMIT:
+            return False
+        self.seen.add((model, name))
+        return True
+
+
+_LOGGED_UNUSED = _OnceEach()
+
+
+def _read_request(route: str, body: dict[str, Any]) -> tuple[t.OptionsRead, dict[str, str]]:
+    """The body's options and fields read the way Ollama treats them, and the headers naming what was served
+    but not used (refused instead under `ollama_strict_options`)."""
+    strict = current_app.services.config.ollama_strict_options
+    options = t.read_options(body.get("options"), strict=strict, sampling=route in ("chat", "generate"))
+    fields = t.ignored_fields(route, body, strict=strict)
+    headers = {}
+    if options.ignored:
+        headers["x-blazar-ignored-options"] = ",".join(options.ignored)
+    if fields:
+        headers["x-blazar-ignored-fields"] = ",".join(fields)
+    model = str(body.get("model") or body.get("name") or "")
+    for kind, names in (("option", options.ignored), ("field", fields)):
+        for name in names:
+            if _LOGGED_UNUSED.first(model, f"{kind}:{name}"):
+                known = kind == "option" and (name in t.NO_EFFECT_OPTIONS or name in t.OPTION_FIELDS)
+                log.warning("/api/%s for %s: %s %r %s; served without it (reported in x-blazar-ignored-%ss; "
+                            "ollama_strict_options = true refuses it)", route, model, kind, name,
+                            "has no effect on llama-server" if known else "is not one this gateway knows", kind)
+    return options, headers
 
 
 def _error(status: int, message: str) -> Response:
@@ -192,47 +238,43 @@ async def _chat_like(kind: str):
     started = time.perf_counter()
     try:
         body = await _body()
+        options, unused = _read_request(kind, body)
+        num_ctx, spawn = options.num_ctx, options.spawn
         if kind == "chat":
-            canonical, num_ctx = t.canonical_chat(body)
+            canonical = t.canonical_chat(body, options)
             if not canonical["messages"]:
-                return await _load_or_unload(body, canonical["model"])
+                return await _load_or_unload(body, canonical["model"], options, unused)
         else:
-            canonical, num_ctx = t.canonical_generate(body)
+            canonical = t.canonical_generate(body, options)
             if not body.get("prompt") and not body.get("images"):
-                return await _load_or_unload(body, canonical["model"])
+                return await _load_or_unload(body, canonical["model"], options, unused)
         keep_alive = _keep_alive(body)
-        spawn = t.spawn_options(body.get("options"))
         if kind == "generate" and body.get("raw") is True:
-            result = await _raw_completion(services, canonical, body["prompt"], keep_alive, num_ctx, spawn)
+            flight = flight_key({**canonical, "raw": True}, num_ctx, sorted((spawn or {}).items()))
+            session = await RequestSession.open(services, canonical["model"], stream=canonical.get("stream") is True,
+                                                flight=flight)
+            result = await session.run(lambda: _raw_completion(services, canonical, body["prompt"], keep_alive,
+                                                                num_ctx, spawn))
         else:
-            result = await run_chat(services, canonical, request.headers, keep_alive=keep_alive, num_ctx=num_ctx,
-                                    spawn_options=spawn)
+            result = await chat_session(services, canonical, request.headers, keep_alive=keep_alive, num_ctx=num_ctx,
+                                        spawn_options=spawn)
     except (RequestError, Refusal) as error:
         return refuse(error)
     model = canonical["model"]
     if result.payload is not None:
-        return _json(_render(kind, model, result.payload, started, final=True), 200)
-    return _ndjson(kind, model, result.chunks, started, result.headers)
+        return _json(_render(kind, model, result.payload, started, final=True), 200, {**result.headers, **unused})
+    return _ndjson(kind, model, result.chunks, started, {**result.headers, **unused})
 
 
 async def _raw_completion(services: Any, canonical: dict[str, Any], prompt: str, keep_alive: float | None,
-                          num_ctx: int | None, spawn: dict[str, Any] | None) -> Any:
+                          num_ctx: int | None, spawn: dict[str, Any] | None) -> ChatResult:
     """`raw: true`: the prompt goes to the engine verbatim, no chat template."""
-    from dialects.chat_core import ChatResult, _chunks
-    from supervisors.instance import UpstreamReply
-
     skip = {"messages", "tools", "think", "chat_template_kwargs", "reasoning_effort"}
     body = {k: v for k, v in canonical.items() if k not in skip} | {"prompt": prompt}
     result = await forward(services, canonical["model"], UpstreamCall(
         path="/v1/completions", body=msgspec.json.encode(body), stream=body.get("stream") is True),
         request.headers, keep_alive=keep_alive, num_ctx=num_ctx, spawn_options=spawn)
-    if isinstance(result, UpstreamReply):
-        if result.status >= 400:
-            from dialects.edge import engine_failure
-
-            raise engine_failure(result)
-        return ChatResult(payload=msgspec.json.decode(result.body))
-    return ChatResult(chunks=_chunks(result, strip=False))
+    return completion_result(result, strip=False)
 
 
 def _render(kind: str, model: str, payload: dict[str, Any], started: float, *, final: bool) -> dict[str, Any]:
@@ -307,7 +349,8 @@ def _ndjson(kind: str, model: str, chunks: AsyncIterator[dict[str, Any]], starte
     return response
 
 
-async def _load_or_unload(body: dict[str, Any], model: str) -> Response:
+async def _load_or_unload(body: dict[str, Any], model: str, options: t.OptionsRead,
+                          unused: dict[str, str]) -> Response:
     """Ollama's idiom: an empty chat/generate loads the model; with keep_alive 0 it unloads it."""
     keep_alive = _keep_alive(body)
     services = current_app.services
@@ -321,15 +364,14 @@ async def _load_or_unload(body: dict[str, Any], model: str) -> Response:
         payload = {"model": model, "created_at": t.now_rfc3339(), "done": True, "done_reason": "unload"}
     else:
         try:
-            _, num_ctx = t.options_to_fields(body.get("options"))
-            handle = await ensure_model(services, model, request.headers, num_ctx, t.spawn_options(body.get("options")))
+            handle = await ensure_model(services, model, request.headers, options.num_ctx, options.spawn)
             await submit(services, handle, UpstreamCall(method="GET", path=handle.lane.health_path), request.headers,
                          keep_alive=keep_alive)
         except (RequestError, Refusal) as error:
             return refuse(error)
         payload = {"model": model, "created_at": t.now_rfc3339(), "done": True, "done_reason": "load"}
     payload[kind] = {"role": "assistant", "content": ""} if kind == "message" else ""
-    return _json(payload)
+    return _json(payload, headers=unused)
 
 
 @blueprint.post("/api/chat")
@@ -354,10 +396,10 @@ async def _embed(legacy: bool):
         if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
             field = "prompt" if legacy else "input"
             raise RequestError(f"`{field}` must be a string" + ("" if legacy else " or an array of strings"))
-        _, num_ctx = t.options_to_fields(body.get("options"))
+        options, unused = _read_request("embeddings" if legacy else "embed", body)
         reply = await forward(services, model, UpstreamCall(path="/v1/embeddings", body=msgspec.json.encode(
-            {"model": model, "input": inputs})), request.headers, keep_alive=_keep_alive(body), num_ctx=num_ctx,
-            spawn_options=t.spawn_options(body.get("options")))
+            {"model": model, "input": inputs})), request.headers, keep_alive=_keep_alive(body),
+            num_ctx=options.num_ctx, spawn_options=options.spawn)
     except (RequestError, Refusal) as error:
         return refuse(error)
     if reply.status >= 400:
@@ -365,9 +407,10 @@ async def _embed(legacy: bool):
     payload = msgspec.json.decode(reply.body)
     vectors = [row["embedding"] for row in sorted(payload["data"], key=lambda r: r["index"])]
     if legacy:
-        return _json({"embedding": vectors[0] if vectors else []})
+        return _json({"embedding": vectors[0] if vectors else []}, headers=unused)
     return _json({"model": model, "embeddings": vectors, "total_duration": int((time.perf_counter() - started) * 1e9),
-                  "load_duration": 0, "prompt_eval_count": (payload.get("usage") or {}).get("prompt_tokens", 0)})
+                  "load_duration": 0, "prompt_eval_count": (payload.get("usage") or {}).get("prompt_tokens", 0)},
+                 headers=unused)
 
 
 @blueprint.post("/api/embed")

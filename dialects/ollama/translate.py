@@ -18,11 +18,97 @@ OPTION_FIELDS = {
     "frequency_penalty": "frequency_penalty", "typical_p": "typical_p", "mirostat": "mirostat",
     "mirostat_eta": "mirostat_eta", "mirostat_tau": "mirostat_tau", "num_keep": "n_keep",
 }
+INTEGER_OPTIONS = {"top_k", "seed", "num_predict", "repeat_last_n", "mirostat", "num_keep"}
 # Options that shape the engine child, not one request: the lane maps them to spawn flags or refuses them.
 SPAWN_OPTIONS = {"num_ctx", "num_thread", "num_gpu", "num_batch", "low_vram", "use_mmap", "use_mlock", "numa",
                  "main_gpu"}
-OBSOLETE_OPTIONS = {"f16_kv", "vocab_only", "num_gqa", "logits_all", "embedding_only", "rope_frequency_base",
-                    "rope_frequency_scale", "penalize_newline"}
+# Options Ollama accepts or once accepted that have no effect on llama-server (tfs_z left llama.cpp's
+# samplers; the rest were model-loading switches llama.cpp dropped). Ollama logs and serves them; so do we,
+# naming them in x-blazar-ignored-options.
+NO_EFFECT_OPTIONS = {"tfs_z", "penalize_newline", "num_gqa", "f16_kv", "vocab_only", "logits_all",
+                     "embedding_only", "rope_frequency_base", "rope_frequency_scale"}
+# Top-level request fields each route reads (besides `model`); the rest are served and named in
+# x-blazar-ignored-fields, like Ollama, which ignores fields it does not know.
+ROUTE_FIELDS = {
+    "chat": {"model", "messages", "stream", "format", "options", "keep_alive", "tools", "think", "logprobs",
+             "top_logprobs"},
+    "generate": {"model", "prompt", "system", "images", "stream", "raw", "format", "options", "keep_alive", "think",
+                 "logprobs", "top_logprobs"},
+    "embed": {"model", "input", "options", "keep_alive"},
+    "embeddings": {"model", "prompt", "options", "keep_alive"},
+}
+
+
+class OptionsRead(msgspec.Struct, frozen=True, kw_only=True):
+    """What a request's `options` mean here: request fields, the spawn shape, and what was not used."""
+
+    fields: dict[str, Any]
+    num_ctx: int | None
+    spawn: dict[str, Any] | None
+    ignored: list[str]  # known to Ollama but without effect here, or known to no Ollama version
+
+
+def _check_option_type(key: str, value: Any) -> None:
+    if key == "stop":
+        if isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            return
+        raise RequestError(f"options.stop must be a string or an array of strings, got {value!r}",
+                           param="options.stop")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        kind = "a whole number" if key in INTEGER_OPTIONS else "a number"
+        raise RequestError(f"options.{key} must be {kind}, got {value!r}", param=f"options.{key}")
+    if key in INTEGER_OPTIONS and not float(value).is_integer():
+        raise RequestError(f"options.{key} must be a whole number, got {value!r}", param=f"options.{key}")
+
+
+def read_options(options: Any, *, strict: bool = False, sampling: bool = True) -> OptionsRead:
+    """Ollama `options`, the way Ollama treats them: an option that maps acts, one without effect or one no
+    Ollama version knows is served and reported (refused when `strict`), a value of the wrong type is a 400.
+    Without `sampling` (embeddings) the sampling options have no effect either."""
+    if options is None:
+        return OptionsRead(fields={}, num_ctx=None, spawn=None, ignored=[])
+    if not isinstance(options, dict):
+        raise RequestError("`options` must be an object, e.g. {\"temperature\": 0.2, \"num_ctx\": 4096}",
+                           param="options")
+    fields: dict[str, Any] = {}
+    ignored: list[str] = []
+    for key, value in options.items():
+        if value is None:
+            continue  # unset: clients send every option they know, null when the user set none
+        if key in OPTION_FIELDS:
+            _check_option_type(key, value)
+            fields[OPTION_FIELDS[key]] = int(value) if key in INTEGER_OPTIONS else value
+            if not sampling:
+                ignored.append(key)
+        elif key not in SPAWN_OPTIONS:
+            ignored.append(key)
+    if ignored and strict:
+        unknown = [k for k in ignored if k not in NO_EFFECT_OPTIONS and k not in OPTION_FIELDS]
+        what = (f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}" if unknown
+                else f"option{'s' if len(ignored) > 1 else ''} {', '.join(map(repr, ignored))} "
+                     "(no effect on llama-server)")
+        accepted = ", ".join(sorted([*OPTION_FIELDS, *SPAWN_OPTIONS]))
+        raise RequestError(f"{what}; this gateway refuses options it does not use (ollama_strict_options = true). "
+                           f"Accepted: {accepted}. Remove them, or serve them like Ollama does with "
+                           "`blazar config set ollama_strict_options false`", param="options")
+    num_ctx = options.get("num_ctx")
+    if num_ctx is not None and (isinstance(num_ctx, bool) or not isinstance(num_ctx, int) or num_ctx < 128):
+        raise RequestError(f"options.num_ctx must be a whole number ≥ 128, got {num_ctx!r}", param="options.num_ctx")
+    spawn = {k: v for k, v in options.items() if k in SPAWN_OPTIONS and k != "num_ctx"}
+    return OptionsRead(fields=fields if sampling else {}, num_ctx=num_ctx, spawn=spawn or None, ignored=ignored)
+
+
+def ignored_fields(route: str, body: dict[str, Any], *, strict: bool = False) -> list[str]:
+    """Top-level fields the route does not read: served and reported, or refused when `strict`. A null is the
+    same as an absent field (clients send unset fields as null)."""
+    known = ROUTE_FIELDS[route]
+    unread = [key for key, value in body.items() if key not in known and key != "name" and value is not None]
+    if unread and strict:
+        raise RequestError(f"unknown field{'s' if len(unread) > 1 else ''} {', '.join(map(repr, unread))} on "
+                           f"/api/{route}; accepted: {', '.join(sorted(ROUTE_FIELDS[route]))}. Remove "
+                           f"{'them' if len(unread) > 1 else 'it'}, or serve them like Ollama does with "
+                           "`blazar config set ollama_strict_options false`", param=unread[0])
+    return unread
 
 
 def now_rfc3339() -> str:
@@ -38,35 +124,6 @@ def require_model(body: dict[str, Any]) -> str:
     if not isinstance(model, str) or not model.strip():
         raise RequestError("`model` is required, e.g. {\"model\": \"smollm2:135m\"} (GET /api/tags lists them)")
     return model.strip()
-
-
-def options_to_fields(options: Any) -> tuple[dict[str, Any], int | None]:
-    """Sampling options as request fields, and num_ctx (a spawn option) separately."""
-    if options is None:
-        return {}, None
-    if not isinstance(options, dict):
-        raise RequestError("`options` must be an object, e.g. {\"temperature\": 0.2, \"num_ctx\": 4096}")
-    fields: dict[str, Any] = {}
-    for key, value in options.items():
-        if key in OPTION_FIELDS:
-            fields[OPTION_FIELDS[key]] = value
-        elif key in OBSOLETE_OPTIONS:
-            raise RequestError(f"options.{key} no longer does anything (Ollama dropped it too); remove it")
-        elif key not in SPAWN_OPTIONS:
-            accepted = ", ".join(sorted([*OPTION_FIELDS, *SPAWN_OPTIONS]))
-            raise RequestError(f"unknown option {key!r}; accepted: {accepted}")
-    num_ctx = options.get("num_ctx")
-    if num_ctx is not None and (not isinstance(num_ctx, int) or num_ctx < 128):
-        raise RequestError(f"options.num_ctx must be a whole number ≥ 128, got {num_ctx!r}")
-    return fields, num_ctx
-
-
-def spawn_options(options: Any) -> dict[str, Any] | None:
-    """The spawn options a request names besides num_ctx (None: any running child will do)."""
-    if not isinstance(options, dict):
-        return None
-    named = {k: v for k, v in options.items() if k in SPAWN_OPTIONS and k != "num_ctx"}
-    return named or None
 
 
 def format_to_response_format(fmt: Any) -> dict[str, Any] | None:
@@ -122,11 +179,10 @@ def thinking_fields(think: Any) -> dict[str, Any]:
     raise RequestError(f"`think` must be true, false, or \"low\"/\"medium\"/\"high\", got {think!r}")
 
 
-def canonical_chat(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+def canonical_chat(body: dict[str, Any], options: OptionsRead) -> dict[str, Any]:
     model = require_model(body)
-    fields, num_ctx = options_to_fields(body.get("options"))
-    request: dict[str, Any] = {"model": model, "messages": chat_messages(body.get("messages", [])), **fields,
-                               "stream": body.get("stream", True) is not False}
+    request: dict[str, Any] = {"model": model, "messages": chat_messages(body.get("messages", [])),
+                               **options.fields, "stream": body.get("stream", True) is not False}
     response_format = format_to_response_format(body.get("format"))
     if response_format:
         request["response_format"] = response_format
@@ -137,10 +193,10 @@ def canonical_chat(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         request["logprobs"] = True
         if body.get("top_logprobs"):
             request["top_logprobs"] = body["top_logprobs"]
-    return request, num_ctx
+    return request
 
 
-def canonical_generate(body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+def canonical_generate(body: dict[str, Any], options: OptionsRead) -> dict[str, Any]:
     model = require_model(body)
     prompt = body.get("prompt", "")
     if not isinstance(prompt, str):
@@ -150,9 +206,9 @@ def canonical_generate(body: dict[str, Any]) -> tuple[dict[str, Any], int | None
         messages.append({"role": "system", "content": body["system"]})
     images = body.get("images") or []
     messages.append({"role": "user", "content": _images_to_parts(prompt, images) if images else prompt})
-    request, num_ctx = canonical_chat({**body, "model": model, "messages": [], "tools": None})
+    request = canonical_chat({**body, "model": model, "messages": [], "tools": None}, options)
     request["messages"] = messages
-    return request, num_ctx
+    return request
 
 
 def timing_fields(payload: dict[str, Any], started: float, load_secs: float) -> dict[str, Any]:
