@@ -19,7 +19,7 @@ from blazar.admission import HeaderError, schedule
 from blazar.errors import error_bytes
 from dialects.wire import RequestError, check_choices
 from lanes.base import PlanRefused
-from supervisors.actor import ActorError, ActorUnavailable, Err, call, tell
+from supervisors.actor import ActorError, ActorStopped, ActorUnavailable, Err, call, tell
 from supervisors.instance import (
     StreamFailure,
     Submit,
@@ -111,7 +111,8 @@ def num_ctx_header(headers: Any) -> int | None:
     return int(raw)
 
 
-RETRIED_CODES = ("model_unloading", "model_unloaded")  # the child went away before the request reached it
+# The request never reached an engine (its instance was unloading, had stopped or had failed): placed once more.
+RETRIED_CODES = ("model_unloading", "model_unloaded", "instance_failed")
 
 
 def _refused(services: Any, model: str, err: Err) -> Refusal:
@@ -121,12 +122,13 @@ def _refused(services: Any, model: str, err: Err) -> Refusal:
 
 
 async def ensure_model(services: Any, model: str, headers: Any, num_ctx: int | None = None,
-                       spawn_options: dict[str, Any] | None = None) -> Handle:
-    """The model's instance (loading it if needed), or a Refusal."""
+                       spawn_options: dict[str, Any] | None = None, *, fresh: bool = False) -> Handle:
+    """The model's instance (loading it if needed), or a Refusal. `fresh` asks the lane even when its last
+    answer for this request shape is cached (for callers that do not retry)."""
     if num_ctx is None:
         num_ctx = num_ctx_header(headers)
     try:
-        handle = await services.lane.ensure(model, num_ctx, spawn_options)
+        handle = await services.lane.ensure(model, num_ctx, spawn_options, fresh=fresh)
     except ActorError as error:
         raise _refused(services, model, error.err) from None
     except ActorUnavailable as error:
@@ -166,6 +168,9 @@ async def submit(services: Any, handle: Handle, upstream: UpstreamCall, headers:
             keep_alive=keep_alive, on_usage=on_usage), within=REQUEST_CALL_LIMIT_SECS)
     except ActorError as error:
         raise _refused(services, handle.key, error.err) from None
+    except ActorStopped:
+        raise Refusal(503, f"{handle.key} was unloaded before this request reached it", code="model_unloaded",
+                      hint="retry") from None
     except ActorUnavailable as error:
         raise Refusal(502, f"{handle.key}'s instance stopped answering: {error}") from None
     except BaseException:
@@ -177,7 +182,9 @@ async def forward(services: Any, model: str, upstream: UpstreamCall, headers: An
                   keep_alive: float | None = None, num_ctx: int | None = None,
                   spawn_options: dict[str, Any] | None = None, choices: int = 1) -> UpstreamReply | UpstreamStream:
     """Admit, ensure, submit. A request whose child was stopped before it reached it (an eviction, a
-    context restart) is placed once more on the model's next child. Raises Refusal for the client."""
+    context restart, a crash) is placed once more on the model's next child. The lane's answer is cached
+    per request shape (LaneClient.ensure), so a request to a resident model goes straight to its instance;
+    a stale cached handle is forgotten and the lane asked, without spending the retry. Raises Refusal."""
     _tag_model(model)
     lane = services.lane.lane
     if choices > lane.max_choices:  # refused before anything loads
@@ -186,21 +193,30 @@ async def forward(services: Any, model: str, upstream: UpstreamCall, headers: An
         except RequestError as error:
             raise Refusal(400, error.message) from None
     on_usage = await admit_request(services, model)
-    for attempt in (1, 2):
+    if num_ctx is None:
+        num_ctx = num_ctx_header(headers)
+    retries = 1
+    while True:
+        cached = services.lane.cached(model, num_ctx, spawn_options)
         handle = await ensure_model(services, model, headers, num_ctx, spawn_options)
         try:
             return await submit(services, handle, upstream, headers, keep_alive=keep_alive, on_usage=on_usage)
         except Refusal as refusal:
-            if attempt == 2 or refusal.code not in RETRIED_CODES:
+            if refusal.code != "all_slots_busy":
+                services.lane.forget(handle)  # unloading, gone or failing: the next request asks the lane
+            if refusal.code not in RETRIED_CODES:
                 raise
-    raise AssertionError("unreachable")
+            if not cached:  # a stale cached handle costs no retry: the lane had not been asked yet
+                if retries == 0:
+                    raise
+                retries -= 1
 
 
 async def count_input_tokens(services: Any, model: str, chat: dict[str, Any], headers: Any) -> int:
     """What a chat prompt really costs, counted the model's lane's way on its own child."""
     _tag_model(model)
     on_usage = await admit_request(services, model)
-    handle = await ensure_model(services, model, headers)
+    handle = await ensure_model(services, model, headers, fresh=True)
 
     async def ask(method: str, path: str, body: bytes) -> tuple[int, bytes]:
         reply = await submit(services, handle, UpstreamCall(method=method, path=path, body=body), headers,
@@ -231,27 +247,16 @@ def json_reply(reply: UpstreamReply, transform: Callable[[Any], Any] | None = No
                     headers=headers)
 
 
-async def _cancel_when(event: trio.Event, scope: trio.CancelScope) -> None:
-    await event.wait()
-    scope.cancel()
-
-
 async def tracked(services: Any, control: Any, work: Callable[[], Any]) -> Any:
     """Run `work()` so that a cancel or interrupt from another connection stops it."""
-    refusal: Refusal | None = None
-    result: Any = None
     with trio.CancelScope() as scope:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_cancel_when, control.stop, scope)
-            try:
-                result = await work()
-            except Refusal as error:  # keep it out of the nursery's exception group
-                refusal = error
-            nursery.cancel_scope.cancel()
-    if refusal is not None:
-        raise refusal
-    if not scope.cancelled_caught:
-        return result
+        if control.stop.is_set():
+            scope.cancel()
+        control.scopes.add(scope)
+        try:
+            return await work()
+        finally:
+            control.scopes.discard(scope)
     raise Refusal(499, f"request {control.id} was cancelled from another connection (POST /v1/requests/{control.id}/"
                   f"{control.kind or 'cancel'})", code="request_cancelled")
 

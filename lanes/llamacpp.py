@@ -67,6 +67,9 @@ class SpawnPlan:
     system: str | None = None  # the Modelfile SYSTEM: used when a chat request has none
     spawn_options: tuple[tuple[str, Any], ...] = ()  # Ollama spawn options a request asked for
     gpu_engine: bool = False
+    # Warnings and errors only: at info level llama-server writes ~7 lines per request, each one a wake-up
+    # of the gateway's output drain on the hot path. Off when Blazar itself logs at debug.
+    quiet: bool = False
 
     def argv(self, port: int) -> list[str]:
         command = [
@@ -77,6 +80,8 @@ class SpawnPlan:
         ]
         if self.threads:
             command += ["--threads", str(self.threads)]
+        if self.quiet:
+            command += ["--log-verbosity", "2"]
         if self.rerank:
             command += ["--reranking"]
         elif self.embeddings:
@@ -266,6 +271,7 @@ class LlamaCppLane:
             rerank=bool(manifest.info.get("rank_head")),
             pooling=None if manifest.info.get("embedding_head") else "mean",
             props="--props" in help_text,
+            quiet=config.log_level != "debug" and "--log-verbosity" in help_text,
             model=manifest.name, model_path=store.blob_of(manifest), binary=binary,
             engine_tag=engine.tag, context=context, context_source=source,
             slots=(settings.parallel if settings and settings.parallel else DEFAULT_SLOTS), threads=threads,

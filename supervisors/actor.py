@@ -62,6 +62,10 @@ class ActorUnavailable(Exception):
     """The actor did not take or answer the message in time, or is gone."""
 
 
+class ActorStopped(ActorUnavailable):
+    """The actor has stopped: its mailbox is closed, so nothing sent there will ever be answered."""
+
+
 class ActorGaveUp(Exception):
     """A supervised actor crashed more often than its restart budget allows."""
 
@@ -95,12 +99,16 @@ async def call(
     with reply_recv:
         try:
             with trio.fail_after(within):
-                await mailbox.send(build(reply_send))
+                message = build(reply_send)
+                try:
+                    mailbox.send_nowait(message)  # the common case: room in the mailbox, no extra scheduler pass
+                except trio.WouldBlock:
+                    await mailbox.send(message)
                 result = await reply_recv.receive()
         except trio.TooSlowError:
             raise ActorUnavailable(f"no reply within {within:g}s") from None
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel):
-            raise ActorUnavailable("the actor has stopped") from None
+            raise ActorStopped("the actor has stopped") from None
     if isinstance(result, Err):
         raise ActorError(result)
     return result.value

@@ -278,6 +278,7 @@ class Instance:
         finally:
             self.state = State.STOPPED
             self._fail_waiters(503, "model_unloaded", f"{self.key} was unloaded before this request started; retry")
+            self._close_inbox(inbox)
             for reply in self.stop_replies:
                 answer(reply, Ok(self.describe()))
             self.gone.set()
@@ -286,6 +287,23 @@ class Instance:
                 notify.shield = True
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                     await self.report_to.send(event)
+
+    def _close_inbox(self, inbox: trio.MemoryReceiveChannel) -> None:
+        """Nothing reaches a stopped instance: what is still in its mailbox is answered now, and a later
+        sender (a route holding a cached handle) fails at once and asks the lane again."""
+        while True:
+            try:
+                message = inbox.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            if isinstance(message, Submit):
+                answer(message.reply, Err("model_unloaded", f"{self.key} was unloaded before this request "
+                                          "reached it; retry", status=503))
+            elif isinstance(message, Stop) and message.reply is not None:
+                self.stop_replies.append(message.reply)
+            elif isinstance(message, Describe):
+                answer(message.reply, Ok(self.describe()))
+        inbox.close()
 
     # ------------------------------------------------------------ the loop
 
@@ -423,7 +441,9 @@ class Instance:
                                       status=503))
             return
         if self.state is State.FAILED:
-            answer(message.reply, Err("engine_failed", self.failure, status=502))
+            # It never reached the engine: the forwarder asks the lane again, which restarts the model or
+            # answers with its crash breaker.
+            answer(message.reply, Err("instance_failed", self.failure, status=502))
             return
         if message.keep_alive is not None:
             self.keep_alive = message.keep_alive
@@ -625,7 +645,13 @@ class Instance:
             return True  # the client hung up: leaving the `async with` closes the upstream request
         except TRANSPORT_ERRORS as error:
             await trio.sleep(0.05)
-            answer(waiter.reply, Err("engine_error", self._broken(error), status=502))
+            if isinstance(error, httpcore.ConnectError):
+                # Refused at connect: the child died before this request reached it, so the forwarder may
+                # place it once more (the lane restarts the model or answers with its breaker).
+                answer(waiter.reply, Err("instance_failed", f"{self.key}'s engine was gone before this request "
+                                         f"reached it: {self._broken(error)}", status=502))
+            else:
+                answer(waiter.reply, Err("engine_error", self._broken(error), status=502))
             return False
 
     def _reply(self, status: int, body: bytes, content_type: str, queued_secs: float) -> UpstreamReply:

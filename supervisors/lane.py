@@ -522,14 +522,39 @@ class LaneSupervisor(MessageLoop):
 class LaneClient:
     """The lane supervisor's mailbox, and its lane's fixed facts (limits a route checks before any load)."""
 
+    HANDLES = 256  # cached answers, bounded
+
     def __init__(self, mailbox: trio.MemorySendChannel, lane: Lane) -> None:
         self.mailbox = mailbox
         self.lane = lane
+        # The lane's last answer per request shape: the instance's mailbox, reused until the instance refuses
+        # (unloading, failed) or has stopped (its mailbox is closed), when the caller `forget`s it and asks the
+        # lane again. Saves the lane round trip on every request to a resident model.
+        self.handles: dict[tuple[Any, ...], Handle] = {}
+
+    @staticmethod
+    def _shape(model: str, num_ctx: int | None, spawn_options: dict[str, Any] | None) -> tuple[Any, ...]:
+        return model, num_ctx, tuple(sorted(spawn_options.items())) if spawn_options else None
+
+    def cached(self, model: str, num_ctx: int | None = None, spawn_options: dict[str, Any] | None = None) -> bool:
+        return self._shape(model, num_ctx, spawn_options) in self.handles
 
     async def ensure(self, model: str, num_ctx: int | None = None,
-                     spawn_options: dict[str, Any] | None = None) -> Handle:
-        return await call(self.mailbox, lambda r: Ensure(reply=r, model=model, num_ctx=num_ctx,
-                                                         spawn_options=spawn_options), within=60)
+                     spawn_options: dict[str, Any] | None = None, *, fresh: bool = False) -> Handle:
+        shape = self._shape(model, num_ctx, spawn_options)
+        handle = None if fresh else self.handles.get(shape)
+        if handle is None:
+            handle = await call(self.mailbox, lambda r: Ensure(reply=r, model=model, num_ctx=num_ctx,
+                                                               spawn_options=spawn_options), within=60)
+            if len(self.handles) >= self.HANDLES:
+                self.handles.clear()
+            self.handles[shape] = handle
+        return handle
+
+    def forget(self, handle: Handle) -> None:
+        """That instance refused or is gone: the next request for it asks the lane."""
+        for shape in [shape for shape, cached in self.handles.items() if cached.mailbox is handle.mailbox]:
+            del self.handles[shape]
 
     async def unload(self, model: str) -> dict[str, Any]:
         return await call(self.mailbox, lambda r: Unload(reply=r, model=model), within=60)

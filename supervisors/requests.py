@@ -26,12 +26,21 @@ COMPLETION_CARDS = 4096
 
 @dataclass
 class Control:
-    """What a running request listens to: set by the registry when someone cancels or interrupts it."""
+    """What a running request listens to: set by the registry when someone cancels or interrupts it.
+    A route's wait on the engine sits in a cancel scope it registers here (`watching`), so a stop cancels
+    it directly: no watcher task per request."""
 
     id: str
     stop: trio.Event = field(default_factory=trio.Event)
     kind: str = ""  # "cancel" | "interrupt"
     follow: Any = None  # singleflight: a channel to wait on as a follower, None as the leader
+    scopes: set[trio.CancelScope] = field(default_factory=set)
+
+    def signal(self, kind: str) -> None:
+        self.kind = kind
+        self.stop.set()
+        for scope in self.scopes:
+            scope.cancel()
 
 
 class Open(Envelope, frozen=True, kw_only=True, tag="open"):
@@ -157,8 +166,7 @@ class RequestRegistry(MessageLoop):
                     return Err("interrupt_needs_stream",
                                f"request {card_id} is not streamed, so there is no partial answer to keep",
                                hint=f"POST /v1/requests/{card_id}/cancel stops it instead", status=409)
-                control.kind = kind
-                control.stop.set()
+                control.signal(kind)
                 return Ok(dict(self.live[card_id]))
             case SaveCompletion(card=card):
                 self.completions[card["id"]] = card
@@ -209,9 +217,15 @@ class RequestsClient:
 
     async def close(self, card_id: str, state: str, *, partial: str = "", flight_key: str | None = None,
                     result: Any = None, **fields: Any) -> None:
-        with trio.CancelScope(shield=True), trio.move_on_after(1):
-            await self.mailbox.send(Close(id=card_id, state=state, fields=fields, partial=partial,
-                                          flight_key=flight_key, result=result))
+        message = Close(id=card_id, state=state, fields=fields, partial=partial, flight_key=flight_key,
+                        result=result)
+        try:
+            self.mailbox.send_nowait(message)  # no scheduler pass on the way out of every request
+        except trio.WouldBlock:
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                await self.mailbox.send(message)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the registry has stopped (shutdown): no card to close
 
     async def get(self, card_id: str, viewer: str | None = None) -> dict[str, Any]:
         return await call(self.mailbox, lambda r: Get(reply=r, id=card_id, viewer=viewer))

@@ -110,7 +110,7 @@ async def test_an_exit_while_busy_fails_queued_requests_with_the_engines_words(n
 
 
 @pytest.mark.parametrize(("state", "status", "code"), [
-    (State.DRAINING, 503, "model_unloading"), (State.FAILED, 502, "engine_failed"),
+    (State.DRAINING, 503, "model_unloading"), (State.FAILED, 502, "instance_failed"),
 ])
 async def test_a_request_to_a_leaving_instance_is_refused_with_a_lever(state, status, code, nursery):
     instance, _ = await instance_in(state, nursery)

@@ -4,6 +4,8 @@ crash mid-stream, SIGTERM ignored, the restart budget and `ps --reset`, and thin
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 import trio
@@ -78,6 +80,30 @@ async def test_a_crash_mid_stream_ends_with_an_error_frame_and_the_next_request_
             again = await client.post("/v1/chat/completions", json=body())
             assert again.status_code == 200
             assert again.json()["choices"][0]["message"]["content"] == "Hello from the fake engine."
+
+
+async def test_a_request_after_an_unload_or_a_kill_reaches_a_new_child(nursery, fake_home):
+    """Requests to a resident model go straight to its instance (the lane's answer is cached). Once that
+    child is unloaded, or seen dead after a kill from outside, the next request is placed on a new child,
+    never refused."""
+    gateway = await start_gateway(nursery, fake_home)
+    with trio.fail_after(60):
+        async with gateway.client() as client:
+            assert (await client.post("/v1/chat/completions", json=body())).status_code == 200
+            [first] = await ps(client)
+            assert (await client.post("/api/evict", json={"model": "fake:1"})).status_code == 200
+            assert await ps(client) == []
+            after_unload = await client.post("/v1/chat/completions", json=body())
+            assert after_unload.status_code == 200, after_unload.text
+            [second] = await ps(client)
+            assert second["pid"] != first["pid"]
+            os.kill(second["pid"], signal.SIGKILL)
+            while any(row["state"] == "ready" for row in await ps(client)):  # noqa: ASYNC110 - until it notices
+                await trio.sleep(0.02)
+            after_kill = await client.post("/v1/chat/completions", json=body())
+            assert after_kill.status_code == 200, after_kill.text
+            live = [row for row in await ps(client) if row["state"] in ("ready", "busy")]
+            assert [row["pid"] for row in live] not in ([first["pid"]], [second["pid"]]) and len(live) == 1
 
 
 async def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(nursery, fake_home, monkeypatch):

@@ -364,7 +364,7 @@ async def _load_or_unload(body: dict[str, Any], model: str, options: t.OptionsRe
         payload = {"model": model, "created_at": t.now_rfc3339(), "done": True, "done_reason": "unload"}
     else:
         try:
-            handle = await ensure_model(services, model, request.headers, options.num_ctx, options.spawn)
+            handle = await ensure_model(services, model, request.headers, options.num_ctx, options.spawn, fresh=True)
             await submit(services, handle, UpstreamCall(method="GET", path=handle.lane.health_path), request.headers,
                          keep_alive=keep_alive)
         except (RequestError, Refusal) as error:
