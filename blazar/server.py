@@ -73,7 +73,7 @@ def bind_socket(bind: str) -> socket.socket:
                 f"or blazar config set bind {host}:{port + 1}"
             ) from None
         raise
-    sock.listen(1024)
+    sock.listen(4096)  # a burst of clients queues in the kernel instead of being reset (capped by somaxconn)
     sock.setblocking(False)
     return sock
 
