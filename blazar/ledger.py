@@ -53,6 +53,65 @@ MIGRATIONS: list[tuple[str, str]] = [
         CREATE INDEX benchmarks_model ON benchmarks(model, ts);
         """,
     ),
+    (
+        "the durable job plane: jobs, their event trails, uploaded files, batch items, stored responses",
+        """
+        CREATE TABLE jobs (
+            id       TEXT PRIMARY KEY,
+            kind     TEXT NOT NULL,
+            model    TEXT,
+            state    TEXT NOT NULL,
+            key_name TEXT,
+            created  REAL NOT NULL,
+            updated  REAL NOT NULL,
+            started  REAL,
+            finished REAL,
+            request  TEXT NOT NULL DEFAULT '{}',
+            result   TEXT,
+            artifact TEXT,
+            error    TEXT,
+            progress TEXT,
+            archived REAL
+        );
+        CREATE INDEX jobs_updated ON jobs(updated);
+        CREATE TABLE job_events (
+            job_id TEXT NOT NULL,
+            seq    INTEGER NOT NULL,
+            ts     REAL NOT NULL,
+            kind   TEXT NOT NULL,
+            detail TEXT NOT NULL DEFAULT '{}',
+            PRIMARY KEY (job_id, seq)
+        );
+        CREATE TABLE files (
+            id       TEXT PRIMARY KEY,
+            purpose  TEXT NOT NULL,
+            filename TEXT NOT NULL,
+            bytes    INTEGER NOT NULL,
+            created  REAL NOT NULL,
+            key_name TEXT,
+            path     TEXT NOT NULL
+        );
+        CREATE TABLE batch_items (
+            job_id    TEXT NOT NULL,
+            idx       INTEGER NOT NULL,
+            custom_id TEXT NOT NULL,
+            outcome   TEXT NOT NULL,
+            body      TEXT NOT NULL,
+            PRIMARY KEY (job_id, idx)
+        );
+        CREATE TABLE responses (
+            id           TEXT PRIMARY KEY,
+            created      REAL NOT NULL,
+            expires      REAL NOT NULL,
+            key_name     TEXT,
+            conversation TEXT,
+            previous_id  TEXT,
+            body         TEXT NOT NULL,
+            messages     TEXT NOT NULL
+        );
+        CREATE INDEX responses_conversation ON responses(conversation, created);
+        """,
+    ),
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -38,19 +38,22 @@ from blazar.keys import KeyTable, records_from_config, write_cli_token
 from blazar.middleware import build_stack, loopback_host
 from blazar.observability import Observability
 from blazar.paths import Paths
-from dialects.app import create_app
+from dialects.app import create_app, job_kinds
 from lanes import LANES
 from supervisors.actor import supervise
 from supervisors.admission import AdmissionActor, AdmissionClient
+from supervisors.jobs import JobsClient, JobSupervisor
 from supervisors.lane import LaneClient, LaneSupervisor
 from supervisors.ledger import LedgerActor, LedgerClient
 from supervisors.registry import RegistryActor, RegistryClient
 from supervisors.requests import RequestRegistry, RequestsClient
+from supervisors.responses import ResponsesClient, ResponseStore
 from supervisors.services import Services
 
 log = logging.getLogger("blazar.serve")
 
 EXIT_PORT_IN_USE = 3
+JOB_SLOTS = 2  # jobs (background responses, batches, pulls) running at once; the rest wait, queued
 
 
 class PortInUse(Exception):
@@ -128,9 +131,14 @@ async def run_gateway(
             supervise, lambda: LaneSupervisor(text_lane, paths, config, ledger=ledger, obs=obs),
             mailbox_size=1024)), text_lane)
         requests = RequestsClient(await root.start(partial(supervise, RequestRegistry, mailbox_size=4096)))
+        responses = ResponsesClient(await root.start(partial(supervise, lambda: ResponseStore(ledger, clock=clock))))
         services = Services(paths=paths, config=config, ledger=ledger, registry=registry,
                             engine_identity=Roster(paths).identity, lane=lane, requests=requests, obs=obs,
-                            admission=admission)
+                            admission=admission, responses=responses)
+        kinds = job_kinds(services)
+        services.jobs = JobsClient(await root.start(partial(
+            supervise, lambda: JobSupervisor(ledger, kinds, artifacts=paths.home / "jobs", concurrency=JOB_SLOTS),
+            mailbox_size=1024)), ledger)
         app = create_app(services)
         asgi = build_stack(app, cors_origins=config.cors_origins,
                            body_limit_bytes=config.body_limit_mib * 1024 * 1024,

@@ -9,22 +9,41 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 from blazar.errors import error_bytes
 from blazar.middleware import test_hooks_enabled
 from supervisors.actor import ActorError, ActorUnavailable
+from supervisors.jobs import JobKind
 from supervisors.services import Services
 
 from .admin.keys_routes import blueprint as keys
 from .admin.routes import blueprint as admin
+from .anthropic.batch_routes import blueprint as anthropic_batches
+from .anthropic.batch_routes import run_message_batch
 from .anthropic.routes import blueprint as anthropic
 from .census import closest_routes
 from .edge import Refusal
 from .native.engine_routes import blueprint as native_engine
+from .native.jobs_routes import blueprint as jobs
 from .native.routes import blueprint as native
 from .ollama.routes import blueprint as ollama
+from .ollama.routes import run_pull
+from .openai.batch_routes import blueprint as openai_batches
+from .openai.batch_routes import run_openai_batch
 from .openai.requests_routes import blueprint as request_cards
+from .openai.responses_routes import answer
+from .openai.responses_routes import blueprint as responses
 from .openai.routes import blueprint as openai
 
 
 class BlazarApp(QuartTrio):
     services: Services
+
+
+def job_kinds(services: Services) -> dict[str, JobKind]:
+    """What each kind of job runs (the Job supervisor is started with these by the composition root)."""
+    return {
+        "responses": JobKind(run=lambda ctx: answer(services, ctx.request["body"], ctx.id, key=ctx.key)),
+        "batch": JobKind(run=lambda ctx: run_openai_batch(services, ctx), resumable=True),
+        "message_batch": JobKind(run=lambda ctx: run_message_batch(services, ctx), resumable=True),
+        "pull": JobKind(run=lambda ctx: run_pull(services, ctx)),
+    }
 
 
 def create_app(services: Services) -> BlazarApp:
@@ -35,7 +54,8 @@ def create_app(services: Services) -> BlazarApp:
     app.config["MAX_CONTENT_LENGTH"] = None
     app.config["BODY_TIMEOUT"] = None
     app.config["RESPONSE_TIMEOUT"] = None
-    for blueprint in (native, openai, request_cards, native_engine, ollama, anthropic, admin, keys):
+    for blueprint in (native, openai, request_cards, native_engine, ollama, anthropic, admin, keys, jobs, responses,
+                      openai_batches, anthropic_batches):
         app.register_blueprint(blueprint)
     if test_hooks_enabled():
         from .native.test_hooks import blueprint as hooks  # only with BLAZAR_TEST_HOOKS=1

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import msgspec
@@ -71,6 +73,25 @@ def refuse(error: Exception) -> Response:
     return error.response(request.path)
 
 
+def owner() -> str | None:
+    """The name of the key that made the current request (None on an open gateway)."""
+    from quart import request
+
+    record = request.scope.get("blazar.key") if request.scope.get("blazar.auth") else None
+    return record.name if record is not None else None
+
+
+def viewer() -> str | None:
+    """Whose records the current request may see: a scoped key only its own; an admin key or an open
+    gateway all (None)."""
+    from quart import request
+
+    record = request.scope.get("blazar.key")
+    if not request.scope.get("blazar.auth") or record is None or record.admin:
+        return None
+    return record.name
+
+
 def _tag_model(model: str) -> None:
     """Name the model in the ASGI scope, for the request metrics the middleware records."""
     from quart import has_request_context, request
@@ -79,13 +100,56 @@ def _tag_model(model: str) -> None:
         request.scope["blazar.model"] = model
 
 
+class Principal:
+    """The key a job's work acts for (outside any HTTP request), and the admission leases it holds."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.leases: list[int] = []
+
+
+PRINCIPAL: ContextVar[Principal | None] = ContextVar("blazar_principal", default=None)
+
+
+@asynccontextmanager
+async def acting_for(services: Any, key: str | None) -> AsyncIterator[None]:
+    """Run a job's unit of work under its owner's key: it is admitted and charged like a live request of
+    that key, and its leases go back when the unit ends. An open gateway (no key) admits everything."""
+    if key is None or services.admission is None:
+        yield
+        return
+    principal = Principal(key)
+    token = PRINCIPAL.set(principal)
+    try:
+        yield
+    finally:
+        PRINCIPAL.reset(token)
+        with trio.CancelScope(shield=True), trio.move_on_after(2):
+            for lease in principal.leases:
+                await services.admission.release(lease)
+
+
+async def _admit_principal(services: Any, model: str) -> Callable[[int], None] | None:
+    principal = PRINCIPAL.get()
+    if principal is None or services.admission is None:
+        return None
+    try:
+        principal.leases.append(await services.admission.admit(principal.name, model, "tokens"))
+    except ActorError as error:
+        raise Refusal.from_err(error.err) from None
+    name = principal.name
+    return lambda tokens: services.admission.charge(name, tokens)
+
+
 async def admit_request(services: Any, model: str) -> Callable[[int], None] | None:
     """Per-key limits, once per request (a route may reach the engine more than once). The lease goes
-    back in the auth middleware when the response has drained. Returns where the engine's token counts
-    are charged, or None on an open gateway."""
+    back in the auth middleware when the response has drained (for a job's work: when `acting_for` ends).
+    Returns where the engine's token counts are charged, or None on an open gateway."""
     from quart import has_request_context, request
 
-    if not has_request_context() or not request.scope.get("blazar.auth") or services.admission is None:
+    if not has_request_context():
+        return await _admit_principal(services, model)
+    if not request.scope.get("blazar.auth") or services.admission is None:
         return None
     record = request.scope.get("blazar.key")
     if record is None:

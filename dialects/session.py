@@ -24,14 +24,9 @@ import trio
 from quart import Response, request
 
 from .chat_core import ChatResult, StreamBroken, run_chat
-from .edge import Refusal, admit_request, follow_or_lead, sse_response, tracked
+from .edge import Refusal, admit_request, follow_or_lead, owner, sse_response, tracked
 
 PROGRESS_EVERY = 8  # text pieces between card updates: the card stays live without a message per token
-
-
-def _owner() -> str | None:
-    record = request.scope.get("blazar.key") if request.scope.get("blazar.auth") else None
-    return record.name if record is not None else None
 
 
 def text_of(payload: dict[str, Any]) -> str:
@@ -68,7 +63,7 @@ class RequestSession:
         # Admitted before singleflight: a follower served from another request's answer still counts.
         charge = await admit_request(services, model)
         control = await services.requests.open(trace_id=request.scope.get("blazar.trace_id", ""), model=model,
-                                               route=request.path, stream=stream, flight_key=flight, key=_owner())
+                                               route=request.path, stream=stream, flight_key=flight, key=owner())
         return cls(services, control, stream=stream, flight=flight, charge=charge)
 
     @property

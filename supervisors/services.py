@@ -16,10 +16,12 @@ from blazar.observability import Observability
 from blazar.paths import Paths
 
 from .admission import AdmissionClient
+from .jobs import JobsClient
 from .lane import LaneClient
 from .ledger import LedgerClient
 from .registry import RegistryClient
 from .requests import RequestsClient
+from .responses import ResponsesClient
 
 
 @dataclass
@@ -37,3 +39,5 @@ class Services:
     requests: RequestsClient | None = None
     obs: Observability | None = None
     admission: AdmissionClient | None = None  # its gate holds the live key table
+    jobs: JobsClient | None = None
+    responses: ResponsesClient | None = None

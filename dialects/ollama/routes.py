@@ -15,11 +15,12 @@ from blazar import __version__
 from blazar.config import ConfigError, parse_duration
 from blazar.sysinfo import gpu_memory_by_pid
 from dialects.chat_core import ChatResult, StreamBroken, ToolCallAccumulator, completion_result
-from dialects.edge import Refusal, ensure_model, forward, refuse, submit
+from dialects.edge import Refusal, ensure_model, forward, owner, refuse, submit
 from dialects.session import RequestSession, chat_session, flight_key
 from dialects.wire import RequestError, decode_object
 from supervisors.actor import ActorError
 from supervisors.instance import UpstreamCall
+from supervisors.jobs import JobContext, JobFailed
 
 from . import translate as t
 
@@ -202,33 +203,61 @@ async def ps():
     return _json({"models": models})
 
 
+async def run_pull(services: Any, ctx: JobContext) -> dict[str, Any]:
+    """A pull asked over HTTP, as a job: it goes on when the client hangs up, and shows in /v1/jobs."""
+    events = await services.registry.pull_model(ctx.request["target"])
+    last: dict[str, Any] = {}
+    with events:
+        async for event in events:
+            ctx.progress(**event)
+            last = event
+    if "error" in last:
+        raise JobFailed(last["error"], fix="see the message")
+    return {"status": "success", "model": ctx.request["target"]}
+
+
 @blueprint.post("/api/pull")
 async def pull():
-    """A mailbox: the registry actor runs the pull; this route relays its progress."""
+    """A mailbox: the pull runs as a job (the registry actor does the work); this route relays its progress."""
+    services = current_app.services
     try:
         body = await _body()
-        events = await current_app.services.registry.pull_model(t.require_model(body))
+        target = t.require_model(body)
+        job_id, progress = await services.jobs.create_watched("pull", model=target, key=owner(),
+                                                              request={"target": target})
     except (RequestError, Refusal) as error:
         return refuse(error)
-    except ActorError as error:
-        return refuse(Refusal.from_err(error.err))
+
+    async def outcome(last: dict[str, Any]) -> dict[str, Any] | None:
+        """What the client has not seen of the job's end (a slow reader can miss progress lines)."""
+        row = await services.jobs.get(job_id)
+        if row is None or row["state"] == "completed":
+            return None if last.get("status") == "success" else {"status": "success"}
+        error = msgspec.json.decode(row["error"]) if row["error"] else {"message": row["state"]}
+        return None if "error" in last else {"error": error["message"], "status_code": 500}
 
     if body.get("stream", True) is False:
         last: dict[str, Any] = {}
-        with events:
-            async for event in events:
+        with progress:
+            async for event in progress:
                 last = event
-        if "error" in last:
-            return _error(last["status_code"], last["error"])
-        return _json({"status": "success"})
+        final = await outcome(last) or last
+        if "error" in final:
+            return _error(final.get("status_code") or 500, final["error"])
+        return _json({"status": "success"}, headers={"x-blazar-job": job_id})
 
     async def lines() -> AsyncIterator[bytes]:
-        with events:
-            async for event in events:
-                event.pop("status_code", None)
-                yield msgspec.json.encode(event) + b"\n"
+        last: dict[str, Any] = {}
+        with progress:
+            async for event in progress:
+                last = event
+                yield msgspec.json.encode({k: v for k, v in event.items() if k != "status_code"}) + b"\n"
+        final = await outcome(last)
+        if final is not None:
+            final.pop("status_code", None)
+            yield msgspec.json.encode(final) + b"\n"
 
-    response = Response(lines(), content_type="application/x-ndjson")
+    response = Response(lines(), content_type="application/x-ndjson", headers={"x-blazar-job": job_id})
     response.timeout = None
     return response
 

@@ -5,18 +5,10 @@ from __future__ import annotations
 import msgspec
 from quart import Blueprint, Response, current_app, request
 
-from dialects.edge import Refusal
+from dialects.edge import Refusal, viewer
 from supervisors.actor import ActorError
 
 blueprint = Blueprint("requests", __name__)
-
-
-def _viewer() -> str | None:
-    """A scoped key sees and cancels only its own cards; an admin key (or an open gateway) sees all."""
-    record = request.scope.get("blazar.key")
-    if not request.scope.get("blazar.auth") or record is None or record.admin:
-        return None
-    return record.name
 
 
 def _json(payload) -> Response:
@@ -30,14 +22,14 @@ async def list_requests():
                                            "failed"):
         return Refusal(400, f"?state= must be one of queued, running, done, cancelled, interrupted, disconnected, "
                        f"failed; got {state!r}").response(request.path)
-    rows = await current_app.services.requests.list(request.args.get("model"), state, _viewer())
+    rows = await current_app.services.requests.list(request.args.get("model"), state, viewer())
     return _json({"object": "list", "data": rows})
 
 
 @blueprint.get("/v1/requests/<card_id>")
 async def get_request(card_id: str):
     try:
-        return _json(await current_app.services.requests.get(card_id, _viewer()))
+        return _json(await current_app.services.requests.get(card_id, viewer()))
     except ActorError as error:
         return Refusal.from_err(error.err).response(request.path)
 
@@ -54,7 +46,7 @@ async def interrupt_request(card_id: str):
 
 async def _signal(card_id: str, kind: str) -> Response:
     try:
-        card = await current_app.services.requests.signal(card_id, kind, _viewer())
+        card = await current_app.services.requests.signal(card_id, kind, viewer())
     except ActorError as error:
         return Refusal.from_err(error.err).response(request.path)
     return _json({**card, "signal": kind})

@@ -1,0 +1,80 @@
+"""The durable job plane: /v1/jobs, one job, its cancel, its event trail, its spilled artifact.
+
+Mailboxes only: reads are ledger queries through the JobsClient, a cancel is one message to the Job
+supervisor. A scoped API key sees only its own jobs; an admin key (or an open gateway) sees all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+from quart import Blueprint, Response, current_app, request
+
+from dialects.edge import Refusal, json_response, refuse, viewer
+from supervisors.jobs import TERMINAL, job_view
+
+blueprint = Blueprint("jobs", __name__)
+
+STATES = ("queued", "running", "completed", "failed", "cancelled")
+
+
+def _missing(job_id: str) -> Response:
+    return refuse(Refusal(404, f"no job {job_id}", hint="GET /v1/jobs lists your jobs"))
+
+
+@blueprint.get("/v1/jobs")
+async def list_jobs():
+    args = request.args
+    state, kind = args.get("state"), args.get("kind")
+    if state is not None and state not in STATES:
+        return refuse(Refusal(400, f"?state= must be one of {', '.join(STATES)}; got {state!r}"))
+    raw_limit = args.get("limit", "50")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 1000:
+        return refuse(Refusal(400, f"?limit= must be a whole number from 1 to 1000 (default 50); got {raw_limit!r}"))
+    rows = await current_app.services.jobs.list(state=state, kind=kind, limit=int(raw_limit), viewer=viewer())
+    return json_response({"object": "list", "data": [job_view(r) for r in rows]})
+
+
+@blueprint.get("/v1/jobs/<job_id>")
+async def get_job(job_id: str):
+    row = await current_app.services.jobs.get(job_id, viewer())
+    return _missing(job_id) if row is None else json_response(job_view(row))
+
+
+@blueprint.post("/v1/jobs/<job_id>/cancel")
+async def cancel_job(job_id: str):
+    """Idempotent: a finished job is answered as it is; a live one is cancelled (its task stops)."""
+    jobs = current_app.services.jobs
+    await jobs.cancel(job_id, viewer())  # refusals (404) render through the app's ActorError handler
+    row = await jobs.get(job_id, viewer())
+    if row is None:
+        return _missing(job_id)
+    view = job_view(row)
+    if row["state"] not in TERMINAL:
+        view["status"] = "cancelling"
+    return json_response(view)
+
+
+@blueprint.get("/v1/jobs/<job_id>/events")
+async def job_events(job_id: str):
+    jobs = current_app.services.jobs
+    if await jobs.get(job_id, viewer()) is None:
+        return _missing(job_id)
+    return json_response({"object": "list", "data": await jobs.events(job_id)})
+
+
+@blueprint.get("/v1/jobs/<job_id>/artifact")
+async def job_artifact(job_id: str):
+    row = await current_app.services.jobs.get(job_id, viewer())
+    if row is None:
+        return _missing(job_id)
+    if not row.get("artifact"):
+        return refuse(Refusal(404, f"job {job_id} has no artifact: its result is inline (GET /v1/jobs/{job_id})"))
+    path = Path(row["artifact"])
+    try:
+        data = await trio.to_thread.run_sync(path.read_bytes)
+    except FileNotFoundError:
+        return refuse(Refusal(410, f"job {job_id}'s artifact was pruned from {path}",
+                              hint="submit the job again to produce it"))
+    return Response(data, content_type="application/json" if path.suffix == ".json" else "application/octet-stream",
+                    headers={"content-length": str(len(data))})

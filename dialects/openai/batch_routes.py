@@ -1,0 +1,268 @@
+"""OpenAI files and the Batch API: POST /v1/files, GET /v1/files/{id}, GET /v1/files/{id}/content; POST and GET
+/v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel. A batch is a job of kind `batch` (see
+dialects/batches.py); its output and error files are rendered from its stored items when read."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+from quart import Blueprint, Response, current_app, request
+
+from dialects.batches import LOW_PRIORITY, ItemFailed, counts_of, decode_lines, item_rows, run_items
+from dialects.chat_core import completion_result, run_chat
+from dialects.edge import Refusal, forward, json_response, owner, refuse, viewer
+from dialects.wire import RequestError, check_choices, decode_object, require_model
+from supervisors.instance import UpstreamCall
+from supervisors.jobs import JobContext
+
+from .responses_routes import answer
+from .responses_translate import check_request as check_response_request
+from .responses_translate import new_id
+from .translate import check_chat
+
+blueprint = Blueprint("openai_batches", __name__)
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+PURPOSES = ("batch", "user_data")
+WINDOW_SECS = 24 * 3600
+
+
+# ------------------------------------------------------------------ files
+
+
+def _file_object(row: dict[str, Any]) -> dict[str, Any]:
+    return {"id": row["id"], "object": "file", "bytes": row["bytes"], "created_at": int(row["created"]),
+            "filename": row["filename"], "purpose": row["purpose"], "status": "processed", "expires_at": None,
+            "status_details": None}
+
+
+async def _file_row(services: Any, file_id: str) -> dict[str, Any] | None:
+    rows = await services.ledger.query("SELECT * FROM files WHERE id = ?", (file_id,))
+    if not rows:
+        return None
+    who = viewer()
+    return rows[0] if who is None or rows[0]["key_name"] == who else None
+
+
+@blueprint.post("/v1/files")
+async def upload_file():
+    services = current_app.services
+    form = await request.form
+    files = await request.files
+    purpose = form.get("purpose")
+    upload = files.get("file")
+    if upload is None:
+        return refuse(Refusal(400, "`file` is required: send multipart/form-data with a `file` part and a `purpose`"))
+    if purpose not in PURPOSES:
+        return refuse(Refusal(400, f"`purpose` must be one of {', '.join(PURPOSES)} (this gateway keeps files for "
+                              f"batches), got {purpose!r}"))
+    data = upload.read()
+    file_id = f"file-{secrets.token_hex(12)}"
+    path = services.paths.home / "files" / file_id
+    await trio.to_thread.run_sync(_write, path, data)
+    row = {"id": file_id, "purpose": purpose, "filename": upload.filename or "upload.jsonl", "bytes": len(data),
+           "created": time.time(), "key_name": owner(), "path": str(path)}
+    await services.ledger.execute(
+        "INSERT INTO files (id, purpose, filename, bytes, created, key_name, path) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        tuple(row[k] for k in ("id", "purpose", "filename", "bytes", "created", "key_name", "path")))
+    return json_response(_file_object(row))
+
+
+def _write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+async def _batch_file(services: Any, file_id: str) -> tuple[dict[str, Any], bytes] | None:
+    """A batch's output or error file, rendered from its items: `file-<batch id>-output|errors`."""
+    if not file_id.startswith("file-batch_") or not file_id.endswith(("-output", "-errors")):
+        return None
+    batch_id, which = file_id[len("file-"):].rsplit("-", 1)
+    row = await services.jobs.get(batch_id, viewer())
+    if row is None or row["kind"] != "batch":
+        return None
+    lines = []
+    for item in await item_rows(services, batch_id):
+        request_id = f"req_{secrets.token_hex(8)}"
+        if which == "output" and item["outcome"] == "succeeded":
+            lines.append({"id": f"batch_req_{secrets.token_hex(8)}", "custom_id": item["custom_id"],
+                          "response": {"status_code": 200, "request_id": request_id, "body": item["body"]},
+                          "error": None})
+        elif which == "errors" and item["outcome"] == "errored":
+            error = {"code": item["body"]["code"], "message": item["body"]["message"]}
+            lines.append({"id": f"batch_req_{secrets.token_hex(8)}", "custom_id": item["custom_id"],
+                          "response": None, "error": error})
+    data = b"".join(msgspec.json.encode(line) + b"\n" for line in lines)
+    meta = {"id": file_id, "purpose": "batch_output", "filename": f"{batch_id}_{which}.jsonl", "bytes": len(data),
+            "created": row["finished"] or row["updated"]}
+    return meta, data
+
+
+@blueprint.get("/v1/files/<file_id>")
+async def get_file(file_id: str):
+    services = current_app.services
+    rendered = await _batch_file(services, file_id)
+    if rendered is not None:
+        return json_response(_file_object(rendered[0]))
+    row = await _file_row(services, file_id)
+    if row is None:
+        return refuse(Refusal(404, f"no file {file_id}", hint="upload one with POST /v1/files"))
+    return json_response(_file_object(row))
+
+
+@blueprint.get("/v1/files/<file_id>/content")
+async def file_content(file_id: str):
+    services = current_app.services
+    rendered = await _batch_file(services, file_id)
+    if rendered is not None:
+        return Response(rendered[1], content_type="application/jsonl")
+    row = await _file_row(services, file_id)
+    if row is None:
+        return refuse(Refusal(404, f"no file {file_id}", hint="upload one with POST /v1/files"))
+    try:
+        data = await trio.to_thread.run_sync(Path(row["path"]).read_bytes)
+    except FileNotFoundError:
+        return refuse(Refusal(410, f"file {file_id}'s content was removed from {row['path']}",
+                              hint="upload it again"))
+    return Response(data, content_type="application/octet-stream")
+
+
+# ------------------------------------------------------------------ batches
+
+
+async def _openai_item(services: Any, endpoint: str, item: dict[str, Any], key: str | None) -> dict[str, Any]:
+    if "_invalid" in item:
+        raise ItemFailed(400, "invalid_json", item["_invalid"])
+    if not isinstance(item.get("custom_id"), str):
+        raise ItemFailed(400, "invalid_request", "each line needs a string `custom_id`")
+    if item.get("method", "POST") != "POST" or item.get("url") != endpoint:
+        raise ItemFailed(400, "invalid_request", f"this batch's endpoint is {endpoint}: every line must be "
+                         f"{{\"method\": \"POST\", \"url\": \"{endpoint}\"}}, got {item.get('url')!r}")
+    body = item.get("body")
+    if not isinstance(body, dict):
+        raise ItemFailed(400, "invalid_request", "`body` must be the request object for the endpoint")
+    body = {**body, "stream": False}
+    model = require_model(body)
+    if endpoint == "/v1/chat/completions":
+        check_chat(body)
+        result = await run_chat(services, body, LOW_PRIORITY, choices=check_choices(body))
+        return result.payload or {}
+    if endpoint == "/v1/responses":
+        check_response_request({**body, "background": False})
+        return await answer(services, body, new_id("resp"), key=key)
+    reply = await forward(services, model, UpstreamCall(path=endpoint, body=msgspec.json.encode(body)), LOW_PRIORITY)
+    return completion_result(reply, strip=False).payload or {}
+
+
+async def run_openai_batch(services: Any, ctx: JobContext) -> dict[str, Any]:
+    rows = await services.ledger.query("SELECT path FROM files WHERE id = ?", (ctx.request["input_file_id"],))
+    data = await trio.to_thread.run_sync(Path(rows[0]["path"]).read_bytes) if rows else b""
+    endpoint = ctx.request["endpoint"]
+    counts = await run_items(services, ctx, decode_lines(data),
+                             lambda item: _openai_item(services, endpoint, item, ctx.key))
+    return {"counts": counts}
+
+
+def batch_object(row: dict[str, Any]) -> dict[str, Any]:
+    spec = json.loads(row["request"])
+    counts = counts_of(row, spec["total"])
+    state = row["state"]
+    status = {"queued": "validating", "running": "in_progress", "completed": "completed", "failed": "failed",
+              "cancelled": "cancelled"}[state]
+    ended = state in ("completed", "failed", "cancelled")
+    finished = int(row["finished"]) if row["finished"] else None
+    errors = None
+    if state == "failed" and row["error"]:
+        failure = json.loads(row["error"])
+        errors = {"object": "list", "data": [{"code": "batch_failed", "message": failure["message"], "param": None,
+                                              "line": None}]}
+    return {
+        "id": row["id"], "object": "batch", "endpoint": spec["endpoint"], "errors": errors,
+        "input_file_id": spec["input_file_id"], "completion_window": "24h", "status": status,
+        "output_file_id": f"file-{row['id']}-output" if ended and counts["succeeded"] else None,
+        "error_file_id": f"file-{row['id']}-errors" if ended and counts["errored"] else None,
+        "created_at": int(row["created"]), "in_progress_at": int(row["started"]) if row["started"] else None,
+        "expires_at": int(row["created"] + WINDOW_SECS), "finalizing_at": finished if state == "completed" else None,
+        "completed_at": finished if state == "completed" else None,
+        "failed_at": finished if state == "failed" else None, "expired_at": None,
+        "cancelling_at": None, "cancelled_at": finished if state == "cancelled" else None,
+        "request_counts": {"total": counts["total"], "completed": counts["succeeded"], "failed": counts["errored"]},
+        "metadata": spec.get("metadata") or None,
+    }
+
+
+@blueprint.post("/v1/batches")
+async def create_batch():
+    services = current_app.services
+    try:
+        body = decode_object(await request.get_data())
+        endpoint = body.get("endpoint")
+        if endpoint not in ENDPOINTS:
+            raise RequestError(f"`endpoint` must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint")
+        if body.get("completion_window", "24h") != "24h":
+            raise RequestError("`completion_window` must be \"24h\"", param="completion_window")
+        metadata = body.get("metadata")
+        if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16):
+            raise RequestError("`metadata` must be an object of at most 16 string keys", param="metadata")
+        file_id = body.get("input_file_id")
+        row = await _file_row(services, file_id) if isinstance(file_id, str) else None
+        if row is None:
+            raise Refusal(404, f"no file {file_id!r}: upload the JSONL input first",
+                          hint="POST /v1/files with purpose=batch, then pass its id as input_file_id")
+        if row["purpose"] != "batch":
+            raise RequestError(f"file {file_id} was uploaded with purpose {row['purpose']!r}; batches read "
+                               "purpose=batch files", param="input_file_id")
+        data = await trio.to_thread.run_sync(Path(row["path"]).read_bytes)
+        total = len(decode_lines(data))
+        if total == 0:
+            raise RequestError(f"file {file_id} has no request lines", param="input_file_id")
+    except (RequestError, Refusal) as error:
+        return refuse(error)
+    batch_id = f"batch_{secrets.token_hex(12)}"
+    await services.jobs.create("batch", model=None, key=owner(), job_id=batch_id, request={
+        "endpoint": endpoint, "input_file_id": file_id, "total": total, "metadata": metadata})
+    return json_response(batch_object(await services.jobs.get(batch_id)))
+
+
+@blueprint.get("/v1/batches")
+async def list_batches():
+    raw_limit = request.args.get("limit", "20")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
+        return refuse(Refusal(400, f"?limit= must be a whole number from 1 to 100, got {raw_limit!r}"))
+    rows = await current_app.services.jobs.list(state=None, kind="batch", limit=int(raw_limit), viewer=viewer())
+    data = [batch_object(r) for r in rows]
+    return json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                          "last_id": data[-1]["id"] if data else None, "has_more": False})
+
+
+async def _batch_row(batch_id: str) -> dict[str, Any] | None:
+    row = await current_app.services.jobs.get(batch_id, viewer())
+    return row if row is not None and row["kind"] == "batch" else None
+
+
+@blueprint.get("/v1/batches/<batch_id>")
+async def get_batch(batch_id: str):
+    row = await _batch_row(batch_id)
+    if row is None:
+        return refuse(Refusal(404, f"no batch {batch_id}", hint="GET /v1/batches lists yours"))
+    return json_response(batch_object(row))
+
+
+@blueprint.post("/v1/batches/<batch_id>/cancel")
+async def cancel_batch(batch_id: str):
+    services = current_app.services
+    row = await _batch_row(batch_id)
+    if row is None:
+        return refuse(Refusal(404, f"no batch {batch_id}", hint="GET /v1/batches lists yours"))
+    await services.jobs.cancel(batch_id, viewer())
+    view = batch_object(await services.jobs.get(batch_id))
+    if view["status"] in ("validating", "in_progress"):
+        view["status"] = "cancelling"
+        view["cancelling_at"] = int(time.time())
+    return json_response(view)
