@@ -53,6 +53,10 @@ COVERED_ELSEWHERE = {
     ("keys", "rotate"): "tests/test_keys.py::test_keys_cli_against_a_live_daemon_and_no_secret_in_its_log",
     ("keys", "rm"): "tests/test_keys.py::test_keys_cli_against_a_live_daemon_and_no_secret_in_its_log",
     ("migrate",): "tests/test_keys.py::test_keys_cli_against_a_live_daemon_and_no_secret_in_its_log",
+    ("jobs", "list"): "tests/test_jobs.py::test_the_jobs_cli_lists_shows_cancels_and_tails_events",
+    ("jobs", "show"): "tests/test_jobs.py::test_the_jobs_cli_lists_shows_cancels_and_tails_events",
+    ("jobs", "cancel"): "tests/test_jobs.py::test_the_jobs_cli_lists_shows_cancels_and_tails_events",
+    ("jobs", "events"): "tests/test_jobs.py::test_the_jobs_cli_lists_shows_cancels_and_tails_events",
 }
 SCENARIO = {("import",), ("cp",), ("list",), ("show",), ("create",), ("mmproj",), ("fit",), ("rm",),
             ("engine", "local"), ("engine", "list"), ("engine", "use"), ("engine", "rollback"),

@@ -157,6 +157,9 @@ async def test_ollama_client(live, nursery, tmp_path, monkeypatch):
         assert len(embedded.embeddings) == 2 and len(embedded.embeddings[0]) == 576
         progress = await run(lambda: [p.status for p in client.pull("TinyOrg/Tiny-GGUF:Q8_0", stream=True)])
         assert progress[0] == "pulling manifest" and progress[-1] == "success"
+        async with live.client() as http:  # an HTTP pull is a job: it shows in /v1/jobs
+            [pulled] = (await http.get("/v1/jobs", params={"kind": "pull"})).json()["data"]
+        assert pulled["status"] == "completed" and pulled["model"] == "TinyOrg/Tiny-GGUF:Q8_0"
         await run(lambda: client.copy(MODEL, "mine:copy"))
         await run(lambda: client.delete("mine:copy"))
         assert "mine:copy" not in [m.model for m in (await run(client.list)).models]

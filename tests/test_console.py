@@ -35,6 +35,8 @@ async def test_the_console_renders_live_data_in_chromium(nursery, home: Paths, s
     with trio.fail_after(120):
         async with gateway.client() as client:
             await client.post("/v1/chat/completions", json=chat_body(max_tokens=2))
+            job = (await client.post("/v1/responses", json={"model": "smollm2:135m", "input": "Hi.",
+                                                            "background": True, "max_output_tokens": 2})).json()
             page = await client.get("/ui")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert "http://" not in page.text and "https://" not in page.text  # offline: no external references
@@ -47,6 +49,7 @@ async def test_the_console_renders_live_data_in_chromium(nursery, home: Paths, s
         for tab in ("Dashboard", "Models", "Engines", "Compute", "Benchmarks", "Jobs", "Sessions"):
             assert f">{tab}</button>" in html
         assert "smollm2:135m" in html and shared_engine.tag in html and "state-ready" in html
+        assert job["id"] in html  # the Jobs tab lists the background response
         OUTPUT.mkdir(exist_ok=True)
         shot = OUTPUT / "console-dashboard.png"
         await trio.run_process([browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--virtual-time-budget=8000",

@@ -225,7 +225,20 @@ async def test_a_key_sees_only_its_own_jobs_and_responses(nursery, keyed_home):
             assert (await http.post(f"/v1/jobs/{queued.id}/cancel", headers=as_bob)).status_code == 404
             assert (await http.get("/v1/jobs", headers=as_bob)).json()["data"] == []
             mine = (await http.get("/v1/jobs", headers=as_alice)).json()["data"]
-    assert [j["id"] for j in mine] == [queued.id]
+            assert [j["id"] for j in mine] == [queued.id]
+            # Batch items act for the batch's key: a model outside alice's scope is refused item by item.
+            batch = (await http.post("/v1/messages/batches", headers=as_alice, json={"requests": [
+                {"custom_id": "outside", "params": {"model": "other:1", "max_tokens": 4,
+                                                    "messages": [{"role": "user", "content": "x"}]}}]})).json()
+
+            async def ended():
+                row = (await http.get(f"/v1/messages/batches/{batch['id']}", headers=as_alice)).json()
+                return row if row["processing_status"] == "ended" else None
+
+            await until(ended)
+            [line] = (await http.get(f"/v1/messages/batches/{batch['id']}/results", headers=as_alice)).text.splitlines()
+    refused = json.loads(line)["result"]
+    assert refused["type"] == "errored" and MODEL in refused["error"]["error"]["message"]  # names the allowed models
 
 
 async def test_acknowledged_work_survives_a_sigkill_of_the_gateway(home: Paths, tmp_path, shared_home, shared_engine):
@@ -290,3 +303,45 @@ async def test_acknowledged_work_survives_a_sigkill_of_the_gateway(home: Paths, 
     finally:
         first.kill()
         second.kill()
+
+
+async def test_the_jobs_cli_lists_shows_cancels_and_tails_events(home: Paths, tmp_path, shared_home, shared_engine):
+    import os
+    import signal
+
+    from tests.conftest import ServeProcess, arun_cli
+
+    register_engine(home, shared_engine.binary, shared_engine.tag)
+    add_shared_model(home, shared_home)
+    requests = [{"custom_id": f"r{i}", "params": {"model": MODEL, "max_tokens": 64, "temperature": 0,
+                                                  "messages": [{"role": "user", "content": "Tell a story."}]}}
+                for i in range(20)]
+    server = ServeProcess(home, tmp_path / "serve.log", "--bind", "127.0.0.1:0")
+    env = {**os.environ, "BLAZAR_HOME": str(home.home)}
+    try:
+        with trio.fail_after(120):
+            info = await server.start()
+            async with httpx.AsyncClient(base_url=info["url"], timeout=60) as http:
+                batch = (await http.post("/v1/messages/batches", json={"requests": requests})).json()
+            listed = await arun_cli("jobs", "list", "--kind", "message_batch", "--json", env=env)
+            [row] = [json.loads(line) for line in listed.stdout.splitlines()]  # pure JSONL, one job
+            assert row["id"] == batch["id"] and row["status"] in ("queued", "running")
+            cancelled = await arun_cli("jobs", "cancel", batch["id"], "--json", env=env)
+            assert json.loads(cancelled.stdout)["status"] in ("cancelling", "cancelled")
+
+            async def finished():
+                shown = await arun_cli("jobs", "show", batch["id"], "--json", env=env)
+                return json.loads(shown.stdout)["status"] == "cancelled"
+
+            await until(finished)
+            trail = await arun_cli("jobs", "events", batch["id"], "--json", env=env)
+            kinds = [json.loads(line)["kind"] for line in trail.stdout.splitlines()]
+            assert kinds[0] == "created" and "cancel_requested" in kinds and kinds[-1] == "cancelled"
+            human = await arun_cli("jobs", "show", batch["id"], env=env)
+            assert batch["id"] in human.stdout and "cancelled" in human.stdout
+            missing = await arun_cli("jobs", "show", "job_nope", env=env)
+            assert missing.returncode == 1 and "no job job_nope" in missing.stderr and missing.stdout == ""
+            server.signal(signal.SIGTERM)
+            assert await server.wait() == 0
+    finally:
+        server.kill()

@@ -13,7 +13,7 @@ from blazar import __version__
 from blazar.cli.output import EXIT_UNAVAILABLE, fail
 
 SECTIONS: list[tuple[str, list[str]]] = [
-    ("Serve & chat", ["serve", "run", "ps", "stop", "launch", "session"]),
+    ("Serve & chat", ["serve", "run", "ps", "stop", "launch", "session", "jobs"]),
     ("Model management", ["pull", "import", "cp", "create", "rm", "list", "show", "quantize", "mmproj",
                           "search", "fit", "lora"]),
     ("Tuning & benchmarks", ["bench", "tune", "drafts", "coreside"]),
@@ -118,6 +118,7 @@ def _register() -> None:
         config_cmd,
         doctor_cmd,
         engine_cmd,
+        jobs_cmd,
         keys_cmd,
         models_cmd,
         serve_cmd,
@@ -127,7 +128,7 @@ def _register() -> None:
                     completions.completions, engine_cmd.engine, models_cmd.pull, models_cmd.import_,
                     models_cmd.cp, models_cmd.create, models_cmd.rm, models_cmd.list_, models_cmd.show,
                     models_cmd.mmproj, models_cmd.search, models_cmd.fit, chat_cmd.run, chat_cmd.ps,
-                    bench_cmd.bench, keys_cmd.keys, keys_cmd.migrate):
+                    bench_cmd.bench, keys_cmd.keys, keys_cmd.migrate, jobs_cmd.jobs):
         cli.add_command(command)
     for name, (purpose, waits_for) in PENDING.items():
         if name not in cli.commands:
