@@ -345,3 +345,32 @@ async def test_the_jobs_cli_lists_shows_cancels_and_tails_events(home: Paths, tm
             assert await server.wait() == 0
     finally:
         server.kill()
+
+
+async def test_a_result_over_one_mib_is_spilled_to_an_artifact(nursery, home: Paths, monkeypatch):
+    """A job's result up to 1 MiB is inline; a larger one is a file the job row points at, served by
+    /v1/jobs/{id}/artifact, and 410 once the file is gone. The runner here is a stand-in kind."""
+    from blazar import server
+    from supervisors.jobs import JobKind
+
+    async def big(ctx):
+        ctx.progress(step="writing")
+        return {"rows": ["x" * 1000] * 1500}  # ~1.5 MB of JSON
+
+    real = server.job_kinds
+    monkeypatch.setattr(server, "job_kinds", lambda services: {**real(services), "big": JobKind(run=big)})
+    gateway = await start_gateway(nursery, home)
+    with trio.fail_after(30):
+        job_id = await gateway.services.jobs.create("big", model=None, key=None, request={})
+        async with gateway.client() as http:
+            async def done():
+                row = (await http.get(f"/v1/jobs/{job_id}")).json()
+                return row if row["status"] == "completed" else None
+
+            row = await until(done, every=0.02)
+            assert row["result"] is None and row["artifact"]["url"] == f"/v1/jobs/{job_id}/artifact"
+            artifact = await http.get(row["artifact"]["url"])
+            assert artifact.status_code == 200 and len(artifact.json()["rows"]) == 1500
+            (home.home / "jobs" / f"{job_id}.json").unlink()
+            gone = await http.get(row["artifact"]["url"])
+    assert gone.status_code == 410 and "pruned" in gone.json()["error"]["message"]
