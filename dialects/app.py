@@ -27,8 +27,8 @@ from .ollama.routes import run_pull
 from .openai.batch_routes import blueprint as openai_batches
 from .openai.batch_routes import run_openai_batch
 from .openai.requests_routes import blueprint as request_cards
-from .openai.responses_routes import answer
 from .openai.responses_routes import blueprint as responses
+from .openai.responses_routes import run_background
 from .openai.routes import blueprint as openai
 
 
@@ -39,7 +39,7 @@ class BlazarApp(QuartTrio):
 def job_kinds(services: Services) -> dict[str, JobKind]:
     """What each kind of job runs (the Job supervisor is started with these by the composition root)."""
     return {
-        "responses": JobKind(run=lambda ctx: answer(services, ctx.request["body"], ctx.id, key=ctx.key)),
+        "responses": JobKind(run=lambda ctx: run_background(services, ctx)),
         "batch": JobKind(run=lambda ctx: run_openai_batch(services, ctx), resumable=True),
         "message_batch": JobKind(run=lambda ctx: run_message_batch(services, ctx), resumable=True),
         "pull": JobKind(run=lambda ctx: run_pull(services, ctx)),

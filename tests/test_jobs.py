@@ -105,8 +105,16 @@ async def test_a_background_response_is_a_job_and_is_polled_to_completion(live):
         async with live.client() as http:
             job = (await http.get(f"/v1/jobs/{queued.id}")).json()
             kinds = [e["kind"] for e in (await http.get(f"/v1/jobs/{queued.id}/events")).json()["data"]]
+        missing = await run(lambda: client.responses.create(model="nope:1", input="Hi.", background=True))
+        failed = await until(lambda: _failed(client, missing.id))
     assert job["kind"] == "responses" and job["status"] == "completed"
     assert kinds == ["created", "running", "completed"]
+    assert "nope:1" in failed.error.message and "not installed" in failed.error.message  # the teaching refusal
+
+
+async def _failed(client: openai.OpenAI, response_id: str):
+    polled = await run(lambda: client.responses.retrieve(response_id))
+    return polled if polled.status == "failed" else None
 
 
 async def test_an_openai_batch_runs_each_line_and_fails_only_the_bad_ones(live):

@@ -80,6 +80,15 @@ async def answer(services: Any, body: dict[str, Any], response_id: str, *, key: 
     return obj
 
 
+async def run_background(services: Any, ctx: Any) -> dict[str, Any]:
+    """A background response's job: the answer is stored; a refusal becomes the job's teaching failure."""
+    try:
+        return await answer(services, ctx.request["body"], ctx.id, key=ctx.key)
+    except (RequestError, Refusal) as error:
+        hint = getattr(error, "hint", "") or "fix the request and submit it again"
+        raise JobFailed(error.message, fix=hint) from None
+
+
 @blueprint.post("/v1/responses")
 @blueprint.post("/responses")
 async def create_response():
