@@ -84,6 +84,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     spawn_mem_floor_mib: int = 512
     breaker_cooldown_secs: float = 60.0
     ollama_strict_options: bool = False
+    whisper_model: str = ""
+    audio_idle_secs: float = 300.0
+    whisper_stream_chunk_ms: int = 30_000
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     models: dict[str, ModelSettings] = {}
     keys: list[KeyEntry] = []
@@ -107,6 +110,10 @@ KEY_DOCS: dict[str, str] = {
     "ollama_strict_options": "refuse (400) Ollama options and fields that have no effect here or that no Ollama "
                              "version knows, instead of serving them and naming them in x-blazar-ignored-options "
                              "/ x-blazar-ignored-fields",
+    "whisper_model": "the whisper model for transcription requests that name none (or whisper-1); empty: tiny.en "
+                     "(blazar whisper --pin --model NAME)",
+    "audio_idle_secs": "idle time before a whisper or piper child is stopped",
+    "whisper_stream_chunk_ms": "window length of streamed transcriptions (stream=true), 1000-120000 ms",
     "engine.retention": "engines kept by `engine prune` besides the active one",
     "engine.update_tolerance_pct": "largest tokens/s regression `engine update` accepts",
     "models.<name>.num_ctx": "context length for that model",
@@ -297,6 +304,7 @@ def _check_keys(config: Config, source: str) -> None:
 def _check_semantics(config: Config, source: str) -> None:
     parse_bind(config.bind)
     _check_keys(config, source)
+    _check_audio(config, source)
     checks = [
         ("keep_alive", config.keep_alive),
         *((f'models."{name}".keep_alive', m.keep_alive) for name, m in config.models.items()
@@ -314,10 +322,18 @@ def _check_semantics(config: Config, source: str) -> None:
                         ("ram_budget_mib", config.ram_budget_mib),
                         ("spawn_mem_floor_mib", config.spawn_mem_floor_mib),
                         ("breaker_cooldown_secs", config.breaker_cooldown_secs),
+                        ("audio_idle_secs", config.audio_idle_secs),
                         ("engine.retention", config.engine.retention)):
         if number < 0:
             raise ConfigError(f"{source}: {key} is {number}; it must not be negative",
                               fix=f"blazar config set {key} <a number ≥ 0>")
+
+
+def _check_audio(config: Config, source: str) -> None:
+    if not 1000 <= config.whisper_stream_chunk_ms <= 120_000:
+        raise ConfigError(f"{source}: whisper_stream_chunk_ms is {config.whisper_stream_chunk_ms}; it must be from "
+                          "1000 to 120000 (one streamed window, in ms)",
+                          fix="blazar config set whisper_stream_chunk_ms 30000")
 
 
 def validate(data: dict[str, Any], source: str = "config.toml") -> Config:

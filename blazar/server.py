@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 
+import msgspec
 import trio
 from hypercorn.config import Config as HyperConfig
 from hypercorn.config import Sockets
@@ -130,11 +131,18 @@ async def run_gateway(
         lane = LaneClient(await root.start(partial(
             supervise, lambda: LaneSupervisor(text_lane, paths, config, ledger=ledger, obs=obs),
             mailbox_size=1024)), text_lane)
+        lanes = {"llamacpp": lane}
+        # Speech children idle out on their own clock, and a whisper model never evicts a chat model.
+        speech_config = msgspec.structs.replace(config, keep_alive=config.audio_idle_secs, models={})
+        for kind in ("whisper", "piper"):
+            lanes[kind] = LaneClient(await root.start(partial(
+                supervise, lambda kind=kind: LaneSupervisor(LANES[kind], paths, speech_config, ledger=ledger, obs=obs),
+                mailbox_size=256)), LANES[kind])
         requests = RequestsClient(await root.start(partial(supervise, RequestRegistry, mailbox_size=4096)))
         responses = ResponsesClient(await root.start(partial(supervise, lambda: ResponseStore(ledger, clock=clock))))
         services = Services(paths=paths, config=config, ledger=ledger, registry=registry,
                             engine_identity=Roster(paths).identity, lane=lane, requests=requests, obs=obs,
-                            admission=admission, responses=responses)
+                            admission=admission, responses=responses, lanes=lanes)
         kinds = job_kinds(services)
         services.jobs = JobsClient(await root.start(partial(
             supervise, lambda: JobSupervisor(ledger, kinds, artifacts=paths.home / "jobs", concurrency=JOB_SLOTS),

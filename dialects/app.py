@@ -24,6 +24,8 @@ from .native.jobs_routes import blueprint as jobs
 from .native.routes import blueprint as native
 from .ollama.routes import blueprint as ollama
 from .ollama.routes import run_pull
+from .openai.audio_routes import blueprint as audio
+from .openai.audio_routes import run_audio_job
 from .openai.batch_routes import blueprint as openai_batches
 from .openai.batch_routes import run_openai_batch
 from .openai.requests_routes import blueprint as request_cards
@@ -43,6 +45,7 @@ def job_kinds(services: Services) -> dict[str, JobKind]:
         "batch": JobKind(run=lambda ctx: run_openai_batch(services, ctx), resumable=True),
         "message_batch": JobKind(run=lambda ctx: run_message_batch(services, ctx), resumable=True),
         "pull": JobKind(run=lambda ctx: run_pull(services, ctx)),
+        "audio": JobKind(run=lambda ctx: run_audio_job(services, ctx)),
     }
 
 
@@ -55,7 +58,7 @@ def create_app(services: Services) -> BlazarApp:
     app.config["BODY_TIMEOUT"] = None
     app.config["RESPONSE_TIMEOUT"] = None
     for blueprint in (native, openai, request_cards, native_engine, ollama, anthropic, admin, keys, jobs, responses,
-                      openai_batches, anthropic_batches):
+                      openai_batches, anthropic_batches, audio):
         app.register_blueprint(blueprint)
     if test_hooks_enabled():
         from .native.test_hooks import blueprint as hooks  # only with BLAZAR_TEST_HOOKS=1

@@ -129,26 +129,48 @@ async def acting_for(services: Any, key: str | None) -> AsyncIterator[None]:
                 await services.admission.release(lease)
 
 
-async def _admit_principal(services: Any, model: str) -> Callable[[int], None] | None:
+async def _admit_principal(services: Any, model: str, charge: str) -> Callable[[int], None] | None:
     principal = PRINCIPAL.get()
     if principal is None or services.admission is None:
         return None
     try:
-        principal.leases.append(await services.admission.admit(principal.name, model, "tokens"))
+        principal.leases.append(await services.admission.admit(principal.name, model, charge))
     except ActorError as error:
         raise Refusal.from_err(error.err) from None
     name = principal.name
     return lambda tokens: services.admission.charge(name, tokens)
 
 
-async def admit_request(services: Any, model: str) -> Callable[[int], None] | None:
+async def residents(services: Any) -> list[dict[str, Any]]:
+    """What every lane has resident (text, whisper, piper children alike)."""
+    rows: list[dict[str, Any]] = []
+    for lane in (services.lanes or {"llamacpp": services.lane}).values():
+        rows.extend(await lane.ps())
+    return rows
+
+
+async def unload_anywhere(services: Any, model: str) -> dict[str, Any]:
+    """Unload `model` from the lane that has it; the text lane's refusal when none does."""
+    first: ActorError | None = None
+    for lane in (services.lanes or {"llamacpp": services.lane}).values():
+        try:
+            return await lane.unload(model)
+        except ActorError as error:
+            if error.err.status != 404:
+                raise
+            first = first or error
+    assert first is not None
+    raise first
+
+
+async def admit_request(services: Any, model: str, charge: str = "tokens") -> Callable[[int], None] | None:
     """Per-key limits, once per request (a route may reach the engine more than once). The lease goes
     back in the auth middleware when the response has drained (for a job's work: when `acting_for` ends).
     Returns where the engine's token counts are charged, or None on an open gateway."""
     from quart import has_request_context, request
 
     if not has_request_context():
-        return await _admit_principal(services, model)
+        return await _admit_principal(services, model, charge)
     if not request.scope.get("blazar.auth") or services.admission is None:
         return None
     record = request.scope.get("blazar.key")
@@ -156,7 +178,7 @@ async def admit_request(services: Any, model: str) -> Callable[[int], None] | No
         return None
     if "blazar.lease" not in request.scope:
         try:
-            request.scope["blazar.lease"] = await services.admission.admit(record.name, model, "tokens")
+            request.scope["blazar.lease"] = await services.admission.admit(record.name, model, charge)
         except ActorError as error:
             raise Refusal.from_err(error.err) from None
         except ActorUnavailable as error:
@@ -186,13 +208,14 @@ def _refused(services: Any, model: str, err: Err) -> Refusal:
 
 
 async def ensure_model(services: Any, model: str, headers: Any, num_ctx: int | None = None,
-                       spawn_options: dict[str, Any] | None = None, *, fresh: bool = False) -> Handle:
+                       spawn_options: dict[str, Any] | None = None, *, fresh: bool = False,
+                       lane: Any = None) -> Handle:
     """The model's instance (loading it if needed), or a Refusal. `fresh` asks the lane even when its last
     answer for this request shape is cached (for callers that do not retry)."""
     if num_ctx is None:
         num_ctx = num_ctx_header(headers)
     try:
-        handle = await services.lane.ensure(model, num_ctx, spawn_options, fresh=fresh)
+        handle = await (lane or services.lane).ensure(model, num_ctx, spawn_options, fresh=fresh)
     except ActorError as error:
         raise _refused(services, model, error.err) from None
     except ActorUnavailable as error:
@@ -244,30 +267,32 @@ async def submit(services: Any, handle: Handle, upstream: UpstreamCall, headers:
 
 async def forward(services: Any, model: str, upstream: UpstreamCall, headers: Any,
                   keep_alive: float | None = None, num_ctx: int | None = None,
-                  spawn_options: dict[str, Any] | None = None, choices: int = 1) -> UpstreamReply | UpstreamStream:
+                  spawn_options: dict[str, Any] | None = None, choices: int = 1,
+                  lane_kind: str = "llamacpp") -> UpstreamReply | UpstreamStream:
     """Admit, ensure, submit. A request whose child was stopped before it reached it (an eviction, a
     context restart, a crash) is placed once more on the model's next child. The lane's answer is cached
     per request shape (LaneClient.ensure), so a request to a resident model goes straight to its instance;
     a stale cached handle is forgotten and the lane asked, without spending the retry. Raises Refusal."""
     _tag_model(model)
-    lane = services.lane.lane
+    client = services.lanes.get(lane_kind, services.lane) if services.lanes else services.lane
+    lane = client.lane
     if choices > lane.max_choices:  # refused before anything loads
         try:
             check_choices({"n": choices}, lane=lane.kind, ceiling=lane.max_choices)
         except RequestError as error:
             raise Refusal(400, error.message) from None
-    on_usage = await admit_request(services, model)
+    on_usage = await admit_request(services, model, getattr(lane, "charge", "tokens"))
     if num_ctx is None:
         num_ctx = num_ctx_header(headers)
     retries = 1
     while True:
-        cached = services.lane.cached(model, num_ctx, spawn_options)
-        handle = await ensure_model(services, model, headers, num_ctx, spawn_options)
+        cached = client.cached(model, num_ctx, spawn_options)
+        handle = await ensure_model(services, model, headers, num_ctx, spawn_options, lane=client)
         try:
             return await submit(services, handle, upstream, headers, keep_alive=keep_alive, on_usage=on_usage)
         except Refusal as refusal:
             if refusal.code != "all_slots_busy":
-                services.lane.forget(handle)  # unloading, gone or failing: the next request asks the lane
+                client.forget(handle)  # unloading, gone or failing: the next request asks the lane
             if refusal.code not in RETRIED_CODES:
                 raise
             if not cached:  # a stale cached handle costs no retry: the lane had not been asked yet

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from .base import Lane
 from .llamacpp import LlamaCppLane
+from .piper import PiperLane
+from .whisper import WhisperLane
 
 LANES: dict[str, Lane] = {
     "llamacpp": LlamaCppLane(),
+    "whisper": WhisperLane(),
+    "piper": PiperLane(),
 }
 
 

@@ -67,6 +67,7 @@ class Lane(Protocol):
     health_path: str  # 200 once the child can serve
     generation_paths: frozenset[str]  # answers on these carry token usage
     max_choices: int  # the most `n` choices the engine serves per request
+    charge: str  # against a key's limits: "tokens" (the engine's counts) or "requests" (one per request)
 
     def normalize_spawn_options(self, options: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         """A request's spawn options (Ollama `options` that shape the child) as the engine acts on them;

@@ -228,6 +228,7 @@ def _decode_or_empty(body: bytes) -> dict[str, Any]:
 
 class LlamaCppLane:
     kind = "llamacpp"
+    charge = "tokens"  # what a request costs against a key's limits: the engine's token counts
     health_path = HEALTH_PATH
     generation_paths = GENERATION_PATHS
     max_choices = MAX_CHOICES

@@ -615,7 +615,7 @@ class Instance:
                     response = await stack.enter_async_context(  # a stale pooled connection: once more
                         self.http.stream(call.method, url, call.body, call.content_type))
                 content_type = header(response, b"content-type")
-                if response.status != 200 or "text/event-stream" not in content_type:
+                if response.status != 200:
                     body = await response.aread()
                     answer(waiter.reply, Ok(self._reply(response.status, body, content_type, queued_secs)))
                     return True

@@ -35,7 +35,8 @@ class Services:
     trace_ids: TraceIds = field(default_factory=TraceIds)
     started_at: float = field(default_factory=time.time)
     engine_identity: Callable[[], dict[str, Any] | None] = lambda: None
-    lane: LaneClient | None = None
+    lane: LaneClient | None = None  # the text lane (llama.cpp)
+    lanes: dict[str, LaneClient] = field(default_factory=dict)  # every lane by kind, the text lane too
     requests: RequestsClient | None = None
     obs: Observability | None = None
     admission: AdmissionClient | None = None  # its gate holds the live key table

@@ -38,3 +38,16 @@ async def ps(client: httpx.AsyncClient) -> list[dict]:
 
 def chat_body(model: str = "smollm2:135m", text: str = "Say hello.", **extra) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": text}], **extra}
+
+
+def add_shared_audio(home: Paths, shared_home: Paths) -> None:
+    """Hardlink the shared home's whisper models (tiny.en, base) and piper voice into a test home (no copy)."""
+    from blazar import audio_models
+
+    for source in (audio_models.whisper_dir(shared_home, "tiny.en"), audio_models.whisper_dir(shared_home, "base"),
+                   audio_models.voice_file(shared_home, audio_models.DEFAULT_VOICE).parent):
+        target = audio_models.audio_root(home) / source.relative_to(audio_models.audio_root(shared_home))
+        target.mkdir(parents=True, exist_ok=True)
+        for file in source.iterdir():
+            if file.is_file() and not (target / file.name).exists():
+                os.link(file, target / file.name)

@@ -134,7 +134,7 @@ READ_ONLY_GETS = {
     "/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/events", "/v1/jobs/{job_id}/artifact",
     "/v1/responses/{response_id}", "/v1/conversations/{name}", "/v1/files/{file_id}", "/v1/files/{file_id}/content",
     "/v1/batches", "/v1/batches/{batch_id}", "/v1/messages/batches", "/v1/messages/batches/{batch_id}",
-    "/v1/messages/batches/{batch_id}/results",
+    "/v1/messages/batches/{batch_id}/results", "/v1/audio/jobs/{job_id}", "/v1/audio/voices", "/v1/audio/capabilities",
 }
 STREAMS = {"/api/events", "/api/watch"}
 

@@ -37,6 +37,7 @@ JSON_ARGS: dict[tuple[str, ...], list[str]] = {
     ("config", "defaults"): [],
     ("doctor",): [],
     ("stop",): [],  # no daemon running: the refusal must keep stdout empty
+    ("whisper",): ["--list"],
 }
 
 

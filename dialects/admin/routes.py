@@ -13,7 +13,7 @@ import trio
 from quart import Blueprint, Response, current_app, request
 
 from blazar.sysinfo import meminfo
-from dialects.edge import Refusal, num_ctx_header
+from dialects.edge import Refusal, num_ctx_header, residents
 from supervisors.actor import ActorError
 
 blueprint = Blueprint("admin", __name__)
@@ -37,7 +37,7 @@ async def console():
 @blueprint.get("/metrics")
 async def metrics():
     services = current_app.services
-    services.obs.set_residents(await services.lane.ps())
+    services.obs.set_residents(await residents(services))
     return Response(services.obs.exposition(), content_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -135,14 +135,14 @@ def _cpu() -> dict[str, Any]:
 @blueprint.get("/api/capacity")
 async def capacity():
     devices, note = await trio.to_thread.run_sync(gpu_census)
-    residents = await current_app.services.lane.ps()
-    resident_pids = {row.get("pid") for row in residents}
+    rows = await residents(current_app.services)
+    resident_pids = {row.get("pid") for row in rows}
     for device in devices:
         for process in device["compute_processes"]:
             process["resident"] = process["pid"] in resident_pids
     return _json({"gpus": devices, "note": note, "cpu": await trio.to_thread.run_sync(_cpu),
                   "residents": [{"model": r["model"], "pid": r.get("pid"), "device": "cpu" if not devices else "gpu",
-                                 "size_bytes": r.get("size_bytes")} for r in residents]})
+                                 "size_bytes": r.get("size_bytes"), "lane": r.get("lane")} for r in rows]})
 
 
 @blueprint.get("/api/fabric")
@@ -152,7 +152,7 @@ async def fabric():
     services = current_app.services
     devices, note = await trio.to_thread.run_sync(gpu_census)
     roster = await trio.to_thread.run_sync(Roster(services.paths).read)
-    residents = await services.lane.ps()
+    rows = await residents(services)
     notes = [note] if note else []
     notes.append("inventory only: placement decisions stay with the spawn planner")
     return _json({
@@ -160,7 +160,7 @@ async def fabric():
         "gpus": devices,
         "assignments": [{"model": r["model"], "engine": r.get("engine"), "device": "cpu" if not devices else "gpu",
                          "context": r.get("context"), "slots": r.get("slots"), "state": r.get("state")}
-                        for r in residents],
+                        for r in rows],
         "engines": [{"tag": e.tag, "kind": e.kind, "backend": e.backend, "active": e.tag == roster.active}
                     for e in roster.engines.values()],
         "remotes": [],

@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 from quart import Blueprint, Response, current_app, request
 
-from dialects.edge import Refusal, forward, json_reply, sse_response
+from dialects.edge import Refusal, forward, json_reply, sse_response, unload_anywhere
 from dialects.openai.routes import openai_error_frame
 from dialects.wire import ChatStreamRewriter
 from supervisors.instance import UpstreamCall, UpstreamReply
@@ -107,7 +107,10 @@ async def slot_action(slot_id: int):
 
 @blueprint.post("/api/ps/reset")
 async def ps_reset():
-    cleared = await current_app.services.lane.reset(request.args.get("model"))
+    services = current_app.services
+    cleared = []
+    for lane in (services.lanes or {"llamacpp": services.lane}).values():
+        cleared += await lane.reset(request.args.get("model"))
     return Response(msgspec.json.encode({"cleared": cleared}), content_type="application/json")
 
 
@@ -124,7 +127,7 @@ async def evict():
     from supervisors.actor import ActorError
 
     try:
-        result = await current_app.services.lane.unload(model)
+        result = await unload_anywhere(current_app.services, model)
     except ActorError as error:
         return Response(msgspec.json.encode({"error": error.err.message}), status=error.err.status,
                         content_type="application/json")

@@ -15,7 +15,7 @@ from blazar import __version__
 from blazar.config import ConfigError, parse_duration
 from blazar.sysinfo import gpu_memory_by_pid
 from dialects.chat_core import ChatResult, StreamBroken, ToolCallAccumulator, completion_result
-from dialects.edge import Refusal, ensure_model, forward, owner, refuse, submit
+from dialects.edge import Refusal, ensure_model, forward, owner, refuse, residents, submit, unload_anywhere
 from dialects.session import RequestSession, chat_session, flight_key
 from dialects.wire import RequestError, decode_object
 from supervisors.actor import ActorError
@@ -188,7 +188,7 @@ async def copy():
 @blueprint.get("/api/ps")
 async def ps():
     """Ollama's shape, plus Blazar's own fields (slots, ports, in-flight, keep-alive countdown, engine)."""
-    rows = await current_app.services.lane.ps()
+    rows = await residents(current_app.services)
     on_gpu = {row["pid"] for row in rows if row.get("pid") and row.get("gpu_engine")}
     vram = await trio.to_thread.run_sync(gpu_memory_by_pid, on_gpu) if on_gpu else {}
     now = time.time()
@@ -386,7 +386,7 @@ async def _load_or_unload(body: dict[str, Any], model: str, options: t.OptionsRe
     kind = "message" if "messages" in body else "response"
     if keep_alive == 0:
         try:
-            await services.lane.unload(model)
+            await unload_anywhere(services, model)
         except ActorError as error:
             if error.err.status != 404:
                 return _error(error.err.status, error.err.message)

@@ -1,0 +1,40 @@
+"""The piper lane: text to speech with piper (lanes/engines/piper_server.py), one child per voice, the voice
+kept loaded between requests, evicted when idle. The model a request names is the piper voice id."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from blazar import audio_models
+
+from .base import PlanRefused
+from .speech import SpeechLane, SpeechPlan, package_version
+
+
+class PiperLane(SpeechLane):
+    kind = "piper"
+
+    def plan(self, paths: Any, config: Any, query: str, num_ctx: int | None,
+             spawn_options: tuple[tuple[str, Any], ...] = ()) -> SpeechPlan:
+        voice = audio_models.voice_file(paths, query)
+        if not voice.exists() or not voice.with_suffix(".onnx.json").exists():
+            installed = audio_models.installed_voices(paths)
+            raise PlanRefused(f"piper voice {query!r} is not installed"
+                              + (f"; installed: {', '.join(installed)}" if installed else ""),
+                              fix=f"blazar pull {query if query in audio_models.CATALOG else 'en_US-joe-medium'}",
+                              status=404)
+        version = package_version("piper-tts")
+        if not version:
+            raise PlanRefused("the piper engine is not installed in Blazar's environment",
+                              fix="run ./scripts/setup (it installs Blazar with its speech engines)", status=503)
+        return SpeechPlan(model=query, model_path=voice, binary=Path(sys.executable), engine_tag=f"piper-{version}",
+                          size_bytes=voice.stat().st_size)
+
+    def argv(self, plan: SpeechPlan, port: int) -> list[str]:
+        return [str(plan.binary), "-m", "lanes.engines.piper_server", "--voice", str(plan.model_path),
+                "--port", str(port)]
+
+    def capabilities(self, manifest: Any) -> list[str]:
+        return ["speech"]

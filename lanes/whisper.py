@@ -1,0 +1,42 @@
+"""The whisper lane: speech to text with faster-whisper (CTranslate2) in a child process
+(lanes/engines/whisper_server.py), one child per whisper model, loaded on first use, evicted when idle."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from blazar import audio_models
+
+from .base import PlanRefused
+from .speech import SpeechLane, SpeechPlan, folder_size, package_version
+
+
+class WhisperLane(SpeechLane):
+    kind = "whisper"
+
+    def plan(self, paths: Any, config: Any, query: str, num_ctx: int | None,
+             spawn_options: tuple[tuple[str, Any], ...] = ()) -> SpeechPlan:
+        name = audio_models.whisper_name(query)
+        folder = audio_models.whisper_dir(paths, name)
+        if not (folder / "model.bin").exists():
+            installed = audio_models.installed_whisper(paths)
+            raise PlanRefused(f"whisper model {name!r} is not installed"
+                              + (f"; installed: {', '.join(installed)}" if installed else ""),
+                              fix=f"blazar whisper --pull --model {name}", status=404)
+        version = package_version("faster-whisper")
+        if not version:
+            raise PlanRefused("the faster-whisper engine is not installed in Blazar's environment",
+                              fix="run ./scripts/setup (it installs Blazar with its speech engines)", status=503)
+        return SpeechPlan(model=f"whisper:{name}", model_path=folder, binary=Path(sys.executable),
+                          engine_tag=f"faster-whisper-{version}", size_bytes=folder_size(folder),
+                          threads=os.cpu_count())
+
+    def argv(self, plan: SpeechPlan, port: int) -> list[str]:
+        return [str(plan.binary), "-m", "lanes.engines.whisper_server", "--model", str(plan.model_path),
+                "--port", str(port), "--threads", str(plan.threads or 0)]
+
+    def capabilities(self, manifest: Any) -> list[str]:
+        return ["transcription"] + (["translation"] if getattr(manifest, "language", "") == "multi" else [])
