@@ -7,6 +7,7 @@ import io
 import json
 import re
 import wave
+from pathlib import Path
 
 import httpx
 import openai
@@ -21,6 +22,7 @@ from tests.lane_fixtures import add_shared_audio, ps
 pytestmark = pytest.mark.engine
 
 VOICE = "en_US-joe-medium"
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "voice_client.py"
 SENTENCE = "The quick brown fox jumps over the lazy dog."
 THREE = ("The weather is sunny today. We are going to the park after lunch. "
          "Please bring a warm jacket and some water.")
@@ -286,12 +288,10 @@ async def test_the_example_voice_client_answers_a_spoken_question(live, audio_ho
     """examples/voice_client.py as a person runs it: a spoken question in, the transcript, SmolLM2's answer and
     the answer as a WAV out."""
     import sys
-    from pathlib import Path
 
-    example = Path(__file__).resolve().parent.parent / "examples" / "voice_client.py"
     answer = tmp_path / "answer.wav"
     with trio.fail_after(180):
-        done = await trio.run_process([sys.executable, str(example), "--say", "What is the capital of France?",
+        done = await trio.run_process([sys.executable, str(EXAMPLE), "--say", "What is the capital of France?",
                                        str(answer), "--url", live.url], capture_stdout=True, capture_stderr=True,
                                       check=False)
     out = done.stdout.decode()
