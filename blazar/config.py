@@ -87,6 +87,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     whisper_model: str = ""
     audio_idle_secs: float = 300.0
     whisper_stream_chunk_ms: int = 30_000
+    realtime_idle_secs: float = 120.0
+    realtime_max_secs: float = 600.0
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     models: dict[str, ModelSettings] = {}
     keys: list[KeyEntry] = []
@@ -114,6 +116,8 @@ KEY_DOCS: dict[str, str] = {
                      "(blazar whisper --pin --model NAME)",
     "audio_idle_secs": "idle time before a whisper or piper child is stopped",
     "whisper_stream_chunk_ms": "window length of streamed transcriptions (stream=true), 1000-120000 ms",
+    "realtime_idle_secs": "a /v1/realtime session with no client event for this long is closed",
+    "realtime_max_secs": "the longest a /v1/realtime session may last",
     "engine.retention": "engines kept by `engine prune` besides the active one",
     "engine.update_tolerance_pct": "largest tokens/s regression `engine update` accepts",
     "models.<name>.num_ctx": "context length for that model",
@@ -323,6 +327,8 @@ def _check_semantics(config: Config, source: str) -> None:
                         ("spawn_mem_floor_mib", config.spawn_mem_floor_mib),
                         ("breaker_cooldown_secs", config.breaker_cooldown_secs),
                         ("audio_idle_secs", config.audio_idle_secs),
+                        ("realtime_idle_secs", config.realtime_idle_secs),
+                        ("realtime_max_secs", config.realtime_max_secs),
                         ("engine.retention", config.engine.retention)):
         if number < 0:
             raise ConfigError(f"{source}: {key} is {number}; it must not be negative",

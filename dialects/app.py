@@ -28,6 +28,7 @@ from .openai.audio_routes import blueprint as audio
 from .openai.audio_routes import run_audio_job
 from .openai.batch_routes import blueprint as openai_batches
 from .openai.batch_routes import run_openai_batch
+from .openai.realtime_routes import blueprint as realtime
 from .openai.requests_routes import blueprint as request_cards
 from .openai.responses_routes import blueprint as responses
 from .openai.responses_routes import run_background
@@ -58,7 +59,7 @@ def create_app(services: Services) -> BlazarApp:
     app.config["BODY_TIMEOUT"] = None
     app.config["RESPONSE_TIMEOUT"] = None
     for blueprint in (native, openai, request_cards, native_engine, ollama, anthropic, admin, keys, jobs, responses,
-                      openai_batches, anthropic_batches, audio):
+                      openai_batches, anthropic_batches, audio, realtime):
         app.register_blueprint(blueprint)
     if test_hooks_enabled():
         from .native.test_hooks import blueprint as hooks  # only with BLAZAR_TEST_HOOKS=1

@@ -1,0 +1,100 @@
+"""GET /v1/realtime: a WebSocket voice turn (STT -> chat -> TTS) on the whisper, text and piper lanes.
+
+A mailbox like the other routes: it checks the query, accepts the socket, and runs one RealtimeSession
+(supervisors/realtime.py) whose tasks live in this connection's nursery; the session reaches the engines
+through `GatewayPipeline`, each stage admitted and charged under the connection's key like a request.
+Quart-Trio's own WebSocket support serves it, so it shares the gateway's one server and one port.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+import trio
+from quart import Blueprint, current_app, websocket
+
+from blazar import audio_models
+from dialects.chat_core import run_chat
+from dialects.edge import Refusal, acting_for, forward
+from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply
+from supervisors.realtime import INPUT_RATE, RealtimeSession, Settings, Sink
+
+from .audio_routes import _transcribe_once, _voice_rate, whisper_model
+from .audio_translate import text_of
+
+blueprint = Blueprint("realtime", __name__)
+
+DEFAULT_CHAT = "smollm2:135m"
+MAX_REPLY_TOKENS = 200
+
+
+def resample(pcm: bytes, source_rate: int, target_rate: int = INPUT_RATE) -> bytes:
+    """PCM16 mono from the voice's rate to the realtime API's 24 kHz (linear interpolation)."""
+    if source_rate == target_rate or not pcm:
+        return pcm
+    samples = np.frombuffer(pcm[: len(pcm) - len(pcm) % 2], dtype=np.int16).astype(np.float32)
+    count = round(len(samples) * target_rate / source_rate)
+    positions = np.linspace(0, len(samples) - 1, num=count)
+    return np.interp(positions, np.arange(len(samples)), samples).round().astype(np.int16).tobytes()
+
+
+class GatewayPipeline:
+    """The session's engines: the same canonical calls as the HTTP routes, under the connection's key."""
+
+    def __init__(self, services: Any, key: str | None, chat_model: str) -> None:
+        self.services = services
+        self.key = key
+        self.chat_model = chat_model
+
+    async def transcribe(self, wav: bytes, model: str) -> str:
+        async with acting_for(self.services, self.key):
+            result = await _transcribe_once(self.services, whisper_model(self.services, model), wav,
+                                            {"task": "transcribe"}, {})
+        return text_of(result)
+
+    async def chat(self, messages: list[dict[str, Any]], sink: Sink) -> None:
+        body = {"model": self.chat_model, "messages": messages, "stream": True, "max_tokens": MAX_REPLY_TOKENS,
+                "repeat_penalty": 1.1}
+        async with acting_for(self.services, self.key):
+            result = await run_chat(self.services, body, {})
+            async for chunk in result.chunks:
+                for choice in chunk.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content")
+                    if piece:
+                        await sink(piece)
+
+    async def speak(self, text: str, voice: str, sink: Sink) -> None:
+        rate = await trio.to_thread.run_sync(_voice_rate, self.services, voice)
+        async with acting_for(self.services, self.key):
+            result = await forward(self.services, voice, UpstreamCall(
+                path="/synthesize", body=msgspec.json.encode({"text": text, "raw": True}), stream=True), {},
+                lane_kind="piper")
+            if isinstance(result, UpstreamReply):
+                raise Refusal(502, f"piper refused: {result.engine_message}")
+            with result.chunks:
+                async for item in result.chunks:
+                    if isinstance(item, StreamFailure):
+                        raise Refusal(502, item.message)
+                    await sink(resample(item.data, rate))
+
+
+def _owner() -> str | None:
+    record = websocket.scope.get("blazar.key") if websocket.scope.get("blazar.auth") else None
+    return record.name if record is not None else None
+
+
+@blueprint.websocket("/v1/realtime")
+async def realtime():
+    services = current_app.services
+    voices = await trio.to_thread.run_sync(audio_models.installed_voices, services.paths)
+    voice = websocket.args.get("voice") or (audio_models.DEFAULT_VOICE if audio_models.DEFAULT_VOICE in voices
+                                            else (voices[0] if voices else ""))
+    settings = Settings(model=websocket.args.get("model") or DEFAULT_CHAT, voice=voice,
+                        stt_model=websocket.args.get("stt_model") or "whisper-1")
+    await websocket.accept()
+    session = RealtimeSession(settings, GatewayPipeline(services, _owner(), settings.model),
+                              idle_ttl=services.config.realtime_idle_secs, hard_ttl=services.config.realtime_max_secs)
+    reason = await session.run(websocket.receive, websocket.send)
+    await websocket.close(1000, reason[:120])
