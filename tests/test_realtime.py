@@ -263,3 +263,20 @@ async def test_a_turn_is_admitted_on_every_lane_under_the_connections_key(nurser
     assert any(e["type"].endswith("input_audio_transcription.completed") for e in seen)
     refused = next(e for e in seen if e["type"] == "error")
     assert "smollm2:135m" in refused["error"]["message"] and done["response"]["status"] == "failed"
+
+
+async def test_the_example_voice_client_takes_a_realtime_turn(live, voice_home, tmp_path):
+    import sys
+    import wave
+
+    from tests.test_audio import EXAMPLE
+
+    answer = tmp_path / "answer.wav"
+    with trio.fail_after(180):
+        done = await trio.run_process([sys.executable, str(EXAMPLE), "--realtime", "--say", QUESTION, str(answer),
+                                       "--url", live.url], capture_stdout=True, capture_stderr=True, check=False)
+    out = done.stdout.decode()
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert "you said:" in out and "france" in out.lower()
+    with wave.open(str(answer)) as wav:
+        assert wav.getframerate() == 24_000 and wav.getnframes() / 24_000 > 0.5
