@@ -16,9 +16,7 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +28,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from latency import free_port, wait_healthy, write_section
+from latency import blazar_serve, publish
 
 from blazar import audio_models
 from blazar.paths import Paths
@@ -67,15 +65,8 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="blazar-bench-"))
     home = Paths(workdir / "home").ensure()
     link_audio(Paths.from_env(), home)
-    port = free_port()
-    env = {**os.environ, "BLAZAR_HOME": str(home.home), "BLAZAR_LOG_LEVEL": "warning"}
-    with open(workdir / "serve.log", "wb") as log:
-        server = subprocess.Popen([sys.executable, "-m", "blazar", "serve", "--bind", f"127.0.0.1:{port}"], env=env,
-                                  stdout=log, stderr=log, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(f"{url}/healthz")
-        with httpx.Client(timeout=120) as client:
+        with blazar_serve(home, workdir) as url, httpx.Client(timeout=120) as client:
             audio = client.post(f"{url}/v1/audio/speech", json={"model": VOICE, "input": TEXT}).content
             with wave.open(io.BytesIO(audio)) as wav:
                 seconds = wav.getnframes() / wav.getframerate()
@@ -109,8 +100,6 @@ def main() -> int:
                              (stt_blazar, stt_direct, tts_blazar, tts_direct)):
                     step(i)
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
         shutil.rmtree(workdir, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in timings.items()}
     lines = [
@@ -124,10 +113,7 @@ def main() -> int:
         f"| speech: time to the first PCM byte (3 sentences) | {med['tts_direct'] * 1000:.0f} ms | "
         f"{med['tts_blazar'] * 1000:.0f} ms | {med['tts_blazar'] / med['tts_direct']:.2f}× |",
     ]
-    report = "\n".join(lines)
-    print(report)
-    if args.write:
-        write_section(args.write, "audio", "Speech lanes through Blazar vs the engines directly", report)
+    publish("\n".join(lines), args.write, "audio", "Speech lanes through Blazar vs the engines directly")
     return 0
 
 

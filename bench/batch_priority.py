@@ -16,8 +16,6 @@ import json
 import os
 import platform
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +26,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from latency import free_port, percentile, prepare_home, wait_healthy, write_section
+from latency import blazar_serve, percentile, prepare_home, publish
 
 from blazar.engines import Roster
 from blazar.paths import Paths
@@ -58,15 +56,8 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="blazar-bench-"))
     home = Paths(workdir / "home").ensure()
     prepare_home(source, home)
-    port = free_port()
-    env = {**os.environ, "BLAZAR_HOME": str(home.home), "BLAZAR_LOG_LEVEL": "warning"}
-    with open(workdir / "serve.log", "wb") as log:
-        server = subprocess.Popen([sys.executable, "-m", "blazar", "serve", "--bind", f"127.0.0.1:{port}"], env=env,
-                                  stdout=log, stderr=log, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(f"{url}/healthz")
-        with httpx.Client(timeout=120) as client:
+        with blazar_serve(home, workdir) as url, httpx.Client(timeout=120) as client:
             probe(client, url, 3)  # spawn and warm
             idle = probe(client, url, args.probes)
             lines = "".join(json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
@@ -87,8 +78,6 @@ def main() -> int:
                 busy.extend(probe(client, url, 1))
             batch_secs = time.perf_counter() - started
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
         shutil.rmtree(workdir, ignore_errors=True)
     counts = state["request_counts"]
     worst = max(busy) if busy else 0.0
@@ -107,10 +96,7 @@ def main() -> int:
         f"idle; every interactive request answered within the normal tier's {NORMAL_TIER_SECS:.0f} s bound: "
         f"{'yes' if worst < NORMAL_TIER_SECS * 1000 else 'no'}.",
     ]
-    report = "\n".join(lines_out)
-    print(report)
-    if args.write:
-        write_section(args.write, "batch", "Interactive requests during a batch", report)
+    publish("\n".join(lines_out), args.write, "batch", "Interactive requests during a batch")
     return 0
 
 

@@ -22,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -47,6 +49,29 @@ def wait_healthy(url: str, seconds: float = 120, log: Path | None = None) -> Non
             pass
         time.sleep(0.1)
     raise SystemExit(f"{url} did not come up" + (f": {log.read_text()[-2000:]}" if log and log.exists() else ""))
+
+
+@contextmanager
+def blazar_serve(home: Paths, workdir: Path) -> Iterator[str]:
+    """`blazar serve` on a free port for a throwaway home; yields its URL, stops it (SIGTERM) after."""
+    port = free_port()
+    env = {**os.environ, "BLAZAR_HOME": str(home.home), "BLAZAR_LOG_LEVEL": "warning"}
+    with open(workdir / "serve.log", "wb") as log:
+        server = subprocess.Popen([sys.executable, "-m", "blazar", "serve", "--bind", f"127.0.0.1:{port}"], env=env,
+                                  stdout=log, stderr=log, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(f"{url}/healthz", log=workdir / "serve.log")
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+
+
+def publish(report: str, path: Path | None, tag: str, title: str) -> None:
+    print(report)
+    if path:
+        write_section(path, tag, title, report)
 
 
 def write_section(path: Path, tag: str, title: str, report: str) -> None:

@@ -19,9 +19,7 @@ import os
 import platform
 import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from audio import link_audio
-from latency import free_port, prepare_home, wait_healthy, write_section
+from latency import blazar_serve, prepare_home, publish
 
 from blazar.paths import Paths
-from dialects.openai.realtime_routes import resample
-from supervisors.realtime import Settings, pcm_to_wav
+from blazar.pcm import pcm_to_wav, resample
+from supervisors.realtime import Settings
 
 QUESTION = "What is the capital of France?"
 VOICE = "en_US-joe-medium"
@@ -102,17 +100,10 @@ def main() -> int:
     home = Paths(workdir / "home").ensure()
     prepare_home(source, home)
     link_audio(source, home)
-    port = free_port()
-    env = {**os.environ, "BLAZAR_HOME": str(home.home), "BLAZAR_LOG_LEVEL": "warning"}
-    with open(workdir / "serve.log", "wb") as log:
-        server = subprocess.Popen([sys.executable, "-m", "blazar", "serve", "--bind", f"127.0.0.1:{port}"], env=env,
-                                  stdout=log, stderr=log, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     through: list[dict] = []
     direct: list[dict] = []
     try:
-        wait_healthy(f"{url}/healthz")
-        with httpx.Client(timeout=120) as client:
+        with blazar_serve(home, workdir) as url, httpx.Client(timeout=120) as client:
             spoken = client.post(f"{url}/v1/audio/speech", json={"model": VOICE, "input": QUESTION,
                                                                  "response_format": "pcm"})
             pcm = resample(spoken.content, int(spoken.headers["x-sample-rate"]))
@@ -130,8 +121,6 @@ def main() -> int:
                     time.sleep(1.0)
                     side()
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
         shutil.rmtree(workdir, ignore_errors=True)
 
     def med(rows: list[dict], key: str) -> float:
@@ -152,10 +141,7 @@ def main() -> int:
         f"| **commit → first audio delta** | **{audio:.0f}** | **{d_stt + d_token + d_audio:.0f}** (the three in "
         "sequence, the sentence's text known up front) |",
     ]
-    report = "\n".join(lines)
-    print(report)
-    if args.write:
-        write_section(args.write, "realtime", "A realtime voice turn by stage", report)
+    publish("\n".join(lines), args.write, "realtime", "A realtime voice turn by stage")
     return 0
 
 

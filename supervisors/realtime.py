@@ -37,6 +37,8 @@ from typing import Any, Protocol
 import msgspec
 import trio
 
+from blazar.pcm import pcm_to_wav
+
 BUFFER_LIMIT = 20 * 1024 * 1024
 IDLE_TTL_SECS = 120.0
 HARD_TTL_SECS = 600.0
@@ -82,19 +84,6 @@ class _Turn:
     id: str
     cancel_requested: bool = False
     reply: list[str] = field(default_factory=list)
-
-
-def pcm_to_wav(pcm: bytes, rate: int) -> bytes:
-    import io
-    import wave
-
-    out = io.BytesIO()
-    with wave.open(out, "wb") as wav:
-        wav.setnchannels(1)
-        wav.setsampwidth(2)
-        wav.setframerate(rate)
-        wav.writeframes(pcm)
-    return out.getvalue()
 
 
 def sentences(buffer: str) -> tuple[list[str], str]:

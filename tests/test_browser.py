@@ -135,6 +135,7 @@ READ_ONLY_GETS = {
     "/v1/responses/{response_id}", "/v1/conversations/{name}", "/v1/files/{file_id}", "/v1/files/{file_id}/content",
     "/v1/batches", "/v1/batches/{batch_id}", "/v1/messages/batches", "/v1/messages/batches/{batch_id}",
     "/v1/messages/batches/{batch_id}/results", "/v1/audio/jobs/{job_id}", "/v1/audio/voices", "/v1/audio/capabilities",
+    "/v1/realtime",  # a WebSocket upgrade: a plain GET is refused, and a session changes no stored state
 }
 STREAMS = {"/api/events", "/api/watch"}
 

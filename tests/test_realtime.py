@@ -11,7 +11,7 @@ import trio
 import trio_websocket
 
 from blazar.paths import Paths
-from dialects.openai.realtime_routes import resample
+from blazar.pcm import resample
 from tests.conftest import start_gateway
 from tests.lane_fixtures import add_shared_audio, add_shared_model, ps, register_engine
 

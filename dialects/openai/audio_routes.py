@@ -19,6 +19,7 @@ import trio
 from quart import Blueprint, Response, current_app, request
 
 from blazar import audio_models
+from blazar.pcm import pcm_to_wav
 from dialects.edge import Refusal, acting_for, forward, json_response, owner, refuse, residents, viewer
 from dialects.wire import RequestError, decode_object
 from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply
@@ -349,7 +350,7 @@ async def speech():
             streamed = Response(_live_transcode(result, _ffmpeg(rate, fmt)), content_type=MIME[fmt], headers=headers)
         else:
             pcm = b"".join([chunk async for chunk in _pcm_chunks(result)])
-            encoded = await _transcode(_ffmpeg(rate, fmt, wav=True), _wav(pcm, rate))
+            encoded = await _transcode(_ffmpeg(rate, fmt, wav=True), pcm_to_wav(pcm, rate))
             return Response(encoded, content_type=MIME[fmt], headers=headers)
     except (RequestError, Refusal) as error:
         return refuse(error)
@@ -368,16 +369,6 @@ async def _pcm_chunks(stream: Any) -> AsyncIterator[bytes]:
 def _voice_rate(services: Any, voice: str) -> int:
     config = json.loads(audio_models.voice_file(services.paths, voice).with_suffix(".onnx.json").read_text())
     return int((config.get("audio") or {}).get("sample_rate") or 22050)
-
-
-def _wav(pcm: bytes, rate: int) -> bytes:
-    out = io.BytesIO()
-    with wave.open(out, "wb") as wav:
-        wav.setnchannels(1)
-        wav.setsampwidth(2)
-        wav.setframerate(rate)
-        wav.writeframes(pcm)
-    return out.getvalue()
 
 
 async def _transcode(argv: list[str], wav_bytes: bytes) -> bytes:

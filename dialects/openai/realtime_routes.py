@@ -11,15 +11,15 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-import numpy as np
 import trio
 from quart import Blueprint, current_app, websocket
 
 from blazar import audio_models
+from blazar.pcm import resample
 from dialects.chat_core import run_chat
 from dialects.edge import Refusal, acting_for, forward
 from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply
-from supervisors.realtime import INPUT_RATE, RealtimeSession, Settings, Sink
+from supervisors.realtime import RealtimeSession, Settings, Sink
 
 from .audio_routes import _transcribe_once, _voice_rate, whisper_model
 from .audio_translate import text_of
@@ -28,16 +28,6 @@ blueprint = Blueprint("realtime", __name__)
 
 DEFAULT_CHAT = "smollm2:135m"
 MAX_REPLY_TOKENS = 200
-
-
-def resample(pcm: bytes, source_rate: int, target_rate: int = INPUT_RATE) -> bytes:
-    """PCM16 mono from the voice's rate to the realtime API's 24 kHz (linear interpolation)."""
-    if source_rate == target_rate or not pcm:
-        return pcm
-    samples = np.frombuffer(pcm[: len(pcm) - len(pcm) % 2], dtype=np.int16).astype(np.float32)
-    count = round(len(samples) * target_rate / source_rate)
-    positions = np.linspace(0, len(samples) - 1, num=count)
-    return np.interp(positions, np.arange(len(samples)), samples).round().astype(np.int16).tobytes()
 
 
 class GatewayPipeline:

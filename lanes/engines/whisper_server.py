@@ -22,8 +22,9 @@ import logging
 import sys
 import threading
 import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from lanes.engines.http_child import JsonHandler, QuietServer
 
 log = logging.getLogger("whisper_server")
 
@@ -75,27 +76,7 @@ def transcribe(audio: bytes, options: dict[str, Any]) -> dict[str, Any]:
     return results[0]
 
 
-class QuietServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        if not isinstance(sys.exc_info()[1], ConnectionError):  # a probe that hung up is not news
-            super().handle_error(request, client_address)
-
-
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args: Any) -> None:  # the gateway keeps the child's output; no access log
-        pass
-
-    def _json(self, status: int, payload: dict[str, Any]) -> None:
-        body = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+class Handler(JsonHandler):
 
     def do_GET(self) -> None:
         if self.path == "/health":
