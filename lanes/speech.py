@@ -34,7 +34,8 @@ class SpeechPlan:
 
 
 class SpeechLane:
-    """The part of the Lane protocol both speech lanes answer the same way."""
+    """The part of the Lane protocol both speech lanes answer the same way; each lane's module adds `plan`,
+    `argv` and `capabilities`."""
 
     kind = ""
     health_path = HEALTH_PATH
@@ -66,9 +67,6 @@ class SpeechLane:
         return {"lane": {"kind": self.kind, "engine": plan.engine_tag, "binary": str(plan.binary),
                          "reason": f"{plan.model} is served by the {self.kind} lane"},
                 "model_path": str(plan.model_path), "flags": self.argv(plan, 0)[1:]}
-
-    def argv(self, plan: SpeechPlan, port: int) -> list[str]:
-        raise NotImplementedError  # each lane's own module
 
 
 def package_version(name: str) -> str:
