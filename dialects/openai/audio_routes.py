@@ -303,9 +303,9 @@ async def cancel_audio_job(job_id: str):
 # ------------------------------------------------------------------ text to speech
 
 
-def speech_voice(services: Any, body: dict[str, Any]) -> str:
+async def speech_voice(services: Any, body: dict[str, Any]) -> str:
     """The piper voice: `model` when it names one, else `voice` (the OpenAI SDK requires both fields)."""
-    installed = audio_models.installed_voices(services.paths)
+    installed = await trio.to_thread.run_sync(audio_models.installed_voices, services.paths)
     for candidate in (body.get("model"), body.get("voice")):
         if isinstance(candidate, str) and candidate in installed:
             return candidate
@@ -329,7 +329,7 @@ async def speech():
     try:
         body = decode_object(await request.get_data())
         speech_request = t.check_speech(body)
-        voice = speech_voice(services, body)
+        voice = await speech_voice(services, body)
         fmt, stream = speech_request["format"], speech_request["stream"]
         if fmt in t.LOSSY:
             _ffmpeg(0, fmt)  # refused before anything loads when ffmpeg is missing
@@ -474,8 +474,9 @@ async def capabilities():
     live = [r for r in await residents(services) if r.get("lane") in ("whisper", "piper")]
     return json_response({
         "object": "audio.capabilities",
-        "engines": {"faster-whisper": package_version("faster-whisper") or None,
-                    "piper": package_version("piper-tts") or None, "ffmpeg": shutil.which("ffmpeg")},
+        "engines": await trio.to_thread.run_sync(lambda: {
+            "faster-whisper": package_version("faster-whisper") or None,
+            "piper": package_version("piper-tts") or None, "ffmpeg": shutil.which("ffmpeg")}),
         "models": {"whisper": [{"id": f"whisper:{m}", "pinned": m == pinned,
                                 "multilingual": audio_models.CATALOG[m].language == "multi"
                                 if m in audio_models.CATALOG else None} for m in whisper],
