@@ -147,10 +147,9 @@ class JobSupervisor(MessageLoop):
         rows = await self.ledger.query("SELECT * FROM jobs WHERE state IN ('queued', 'running')")
         for row in rows:
             kind = self.kinds.get(row["kind"])
-            seq = await self._last_seq(row["id"])
             if kind is not None and kind.resumable:
                 self._start(row["id"], row["kind"], row["model"], row["key_name"], json.loads(row["request"]),
-                            resumed=True, seq=seq)
+                            resumed=True, seq=await self._last_seq(row["id"]))
                 await self._append(row["id"], "resumed", {"after": "a gateway restart"})
                 continue
             error = {"message": f"the gateway stopped while this job was {row['state']}",
@@ -158,9 +157,7 @@ class JobSupervisor(MessageLoop):
             await self.ledger.execute(
                 "UPDATE jobs SET state = 'failed', error = ?, updated = ?, finished = ? WHERE id = ?",
                 (json.dumps(error), time.time(), time.time(), row["id"]))
-            self.live[row["id"]] = _Live(scope=trio.CancelScope(), seq=seq)
             await self._append(row["id"], "failed", error)
-            self.live.pop(row["id"], None)
         if rows:
             log.info("jobs left by the previous process: %d resumed or closed", len(rows))
 
@@ -251,7 +248,7 @@ class JobSupervisor(MessageLoop):
             await self.mailbox.send(_Done(id=context.id, state=state, result=result, error=error))
 
     async def _finish(self, message: _Done) -> None:
-        live = self.live.pop(message.id, None)
+        live = self.live.get(message.id)  # kept until the terminal event is in the trail (it numbers it)
         now = time.time()
         inline = artifact = None
         if message.result is not None:
@@ -266,8 +263,6 @@ class JobSupervisor(MessageLoop):
             "UPDATE jobs SET state = ?, result = ?, artifact = ?, error = ?, updated = ?, finished = ? WHERE id = ?",
             (message.state, inline, artifact, json.dumps(message.error) if message.error else None, now, now,
              message.id))
-        if live is not None:
-            self.live[message.id] = live  # for the last event's seq
         await self._append(message.id, message.state, message.error or {})
         self.live.pop(message.id, None)
         if live is not None:
