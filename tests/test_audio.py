@@ -242,6 +242,7 @@ async def test_capabilities_and_voices_boot_nothing(nursery, audio_home, monkeyp
             card = (await http.get("/v1/audio/capabilities")).json()
             voices = (await http.get("/v1/audio/voices")).json()
             searched = (await http.get("/v1/audio/voices", params={"search": "joe"})).json()
+            listed = {m["id"]: m for m in (await http.get("/v1/models")).json()["data"]}
             assert await ps(http) == []
     assert card["engines"]["faster-whisper"] and card["engines"]["piper"]
     assert card["models"]["whisper"] == [{"id": "whisper:base", "pinned": False, "multilingual": True},
@@ -250,6 +251,8 @@ async def test_capabilities_and_voices_boot_nothing(nursery, audio_home, monkeyp
     assert "timestamp_granularities[]" in card["transcription"]["knobs"]
     assert [v["id"] for v in voices["data"]] == [VOICE] and voices["data"][0]["sample_rate"] == 22050
     assert "search_error" in searched and [v["id"] for v in searched["data"]] == [VOICE]
+    assert listed["whisper:base"]["capabilities"] == ["transcription", "translation"]
+    assert listed["whisper:tiny.en"]["capabilities"] == ["transcription"] and listed[VOICE]["lane"] == "piper"
 
 
 async def test_speech_requests_are_charged_per_request_and_scoped_by_voice(nursery, audio_home):

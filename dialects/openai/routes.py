@@ -10,7 +10,7 @@ import trio
 from quart import Blueprint, Response, current_app, request
 
 from dialects.chat_core import ChatResult, StreamBroken, completion_result, run_chat
-from dialects.edge import Refusal, count_input_tokens, forward, json_reply, refuse
+from dialects.edge import Refusal, count_input_tokens, forward, json_reply, refuse, residents
 from dialects.session import RequestSession, flight_key
 from dialects.wire import ChatStreamRewriter, RequestError, check_choices, decode_object, require_model
 from lanes import lane_for
@@ -192,6 +192,24 @@ async def _count_tokens(model: str, template_body: dict[str, Any]) -> Response:
                     content_type="application/json")
 
 
+def speech_models(paths: Any) -> list[dict[str, Any]]:
+    """Installed whisper models and piper voices, as the speech lanes serve them (blocking: a worker thread)."""
+    from blazar import audio_models
+    from lanes import LANES
+    from lanes.speech import package_version
+
+    rows = []
+    for name in audio_models.installed_whisper(paths):
+        entry = audio_models.CATALOG.get(name)
+        rows.append({"id": f"whisper:{name}", "object": "model", "owned_by": "blazar", "lane": "whisper",
+                     "engine": f"faster-whisper-{package_version('faster-whisper')}",
+                     "capabilities": LANES["whisper"].capabilities(entry)})
+    for voice in audio_models.installed_voices(paths):
+        rows.append({"id": voice, "object": "model", "owned_by": "blazar", "lane": "piper",
+                     "engine": f"piper-{package_version('piper-tts')}", "capabilities": ["speech"]})
+    return rows
+
+
 @blueprint.get("/v1/models")
 async def models():
     services = current_app.services
@@ -208,10 +226,11 @@ async def models():
                          "owned_by": "blazar", "engine": engine.tag if engine else None,
                          "lane": lane.kind, "capabilities": lane.capabilities(manifest), "size": manifest.size,
                          "quantization": manifest.quant, "context_length": manifest.info.get("context_length")})
+        rows += speech_models(services.paths)
         return rows
 
     rows = await trio.to_thread.run_sync(listing)
-    resident = {row["model"]: row["state"] for row in await services.lane.ps()}
+    resident = {row["model"]: row["state"] for row in await residents(services)}
     for row in rows:
         row["resident"] = resident.get(row["id"])
     return Response(msgspec.json.encode({"object": "list", "data": rows}), content_type="application/json")
