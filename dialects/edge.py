@@ -73,12 +73,22 @@ def refuse(error: Exception) -> Response:
     return error.response(request.path)
 
 
-def owner() -> str | None:
-    """The name of the key that made the current request (None on an open gateway)."""
-    from quart import request
+def owner(scope: Any = None) -> str | None:
+    """The name of the key that made the current request or WebSocket (None on an open gateway)."""
+    if scope is None:
+        from quart import request
 
-    record = request.scope.get("blazar.key") if request.scope.get("blazar.auth") else None
+        scope = request.scope
+    record = scope.get("blazar.key") if scope.get("blazar.auth") else None
     return record.name if record is not None else None
+
+
+def limit_arg(args: Any, default: int, highest: int) -> int:
+    """A list route's `?limit=`, checked: a whole number from 1 to `highest`."""
+    raw = args.get("limit", str(default))
+    if not raw.isdigit() or not 1 <= int(raw) <= highest:
+        raise Refusal(400, f"?limit= must be a whole number from 1 to {highest} (default {default}); got {raw!r}")
+    return int(raw)
 
 
 def viewer() -> str | None:
@@ -144,7 +154,7 @@ async def _admit_principal(services: Any, model: str, charge: str) -> Callable[[
 async def residents(services: Any) -> list[dict[str, Any]]:
     """What every lane has resident (text, whisper, piper children alike)."""
     rows: list[dict[str, Any]] = []
-    for lane in (services.lanes or {"llamacpp": services.lane}).values():
+    for lane in services.lane_clients().values():
         rows.extend(await lane.ps())
     return rows
 
@@ -152,7 +162,7 @@ async def residents(services: Any) -> list[dict[str, Any]]:
 async def unload_anywhere(services: Any, model: str) -> dict[str, Any]:
     """Unload `model` from the lane that has it; the text lane's refusal when none does."""
     first: ActorError | None = None
-    for lane in (services.lanes or {"llamacpp": services.lane}).values():
+    for lane in services.lane_clients().values():
         try:
             return await lane.unload(model)
         except ActorError as error:
@@ -274,7 +284,7 @@ async def forward(services: Any, model: str, upstream: UpstreamCall, headers: An
     per request shape (LaneClient.ensure), so a request to a resident model goes straight to its instance;
     a stale cached handle is forgotten and the lane asked, without spending the retry. Raises Refusal."""
     _tag_model(model)
-    client = services.lanes.get(lane_kind, services.lane) if services.lanes else services.lane
+    client = services.lane_clients()[lane_kind]
     lane = client.lane
     if choices > lane.max_choices:  # refused before anything loads
         try:

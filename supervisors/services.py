@@ -41,4 +41,8 @@ class Services:
     obs: Observability | None = None
     admission: AdmissionClient | None = None  # its gate holds the live key table
     jobs: JobsClient | None = None
+
+    def lane_clients(self) -> dict[str, LaneClient]:
+        """Every lane by kind (a Services built with the text lane alone has just that one)."""
+        return self.lanes or ({"llamacpp": self.lane} if self.lane is not None else {})
     responses: ResponsesClient | None = None

@@ -15,9 +15,9 @@ from quart import Blueprint, Response, current_app, request
 
 from dialects.batches import LOW_PRIORITY, RETENTION_SECS, ItemFailed, counts_of, expired, item_rows, run_items
 from dialects.chat_core import run_chat
-from dialects.edge import Refusal, json_response, owner, refuse, viewer
+from dialects.edge import Refusal, json_response, limit_arg, owner, refuse, viewer
 from dialects.wire import RequestError, decode_object
-from supervisors.jobs import JobContext
+from supervisors.jobs import TERMINAL, JobContext
 
 from . import translate as t
 
@@ -50,7 +50,7 @@ def batch_object(row: dict[str, Any]) -> dict[str, Any]:
     total = len(json.loads(row["request"])["requests"])
     counts = counts_of(row, total)
     state = row["state"]
-    ended = state in ("completed", "failed", "cancelled")
+    ended = state in TERMINAL
     canceled = total - counts["succeeded"] - counts["errored"] if state == "cancelled" else 0
     processing = 0 if ended else total - counts["succeeded"] - counts["errored"]
     return {
@@ -100,11 +100,11 @@ async def create_batch():
 
 @blueprint.get("/v1/messages/batches")
 async def list_batches():
-    raw_limit = request.args.get("limit", "20")
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 1000:
-        return refuse(Refusal(400, f"?limit= must be a whole number from 1 to 1000, got {raw_limit!r}"))
-    rows = await current_app.services.jobs.list(state=None, kind="message_batch", limit=int(raw_limit),
-                                                viewer=viewer())
+    try:
+        limit = limit_arg(request.args, 20, 1000)
+    except Refusal as error:
+        return refuse(error)
+    rows = await current_app.services.jobs.list(state=None, kind="message_batch", limit=limit, viewer=viewer())
     data = [batch_object(r) for r in rows if not r.get("archived")]
     return json_response({"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
                           "last_id": data[-1]["id"] if data else None})
@@ -130,15 +130,24 @@ async def cancel_batch(batch_id: str):
     return json_response(view)
 
 
+async def _ended_row(batch_id: str, what: str, fix: str) -> dict[str, Any]:
+    """The batch's row once it has ended; a 404 or a 409 (still processing) otherwise."""
+    row = await _row(batch_id)
+    if row is None:
+        raise Refusal(404, f"no message batch {batch_id}", hint="GET /v1/messages/batches lists yours")
+    if row["state"] not in TERMINAL:
+        raise Refusal(409, f"message batch {batch_id} is still processing: {what}", hint=fix)
+    return row
+
+
 @blueprint.get("/v1/messages/batches/<batch_id>/results")
 async def batch_results(batch_id: str):
     services = current_app.services
-    row = await _row(batch_id)
-    if row is None:
-        return _missing(batch_id)
-    if row["state"] not in ("completed", "failed", "cancelled"):
-        return refuse(Refusal(409, f"message batch {batch_id} is still processing: results are ready once "
-                              "processing_status is \"ended\"", hint=f"poll GET /v1/messages/batches/{batch_id}"))
+    try:
+        row = await _ended_row(batch_id, "results are ready once processing_status is \"ended\"",
+                               f"poll GET /v1/messages/batches/{batch_id}")
+    except Refusal as error:
+        return refuse(error)
     if expired(row):
         return refuse(Refusal(404, f"message batch {batch_id}'s results expired 24 hours after it ended"))
     done = {item["idx"]: item for item in await item_rows(services, batch_id)}
@@ -159,12 +168,10 @@ async def batch_results(batch_id: str):
 
 @blueprint.delete("/v1/messages/batches/<batch_id>")
 async def delete_batch(batch_id: str):
-    services = current_app.services
-    row = await _row(batch_id)
-    if row is None:
-        return _missing(batch_id)
-    if row["state"] not in ("completed", "failed", "cancelled"):
-        return refuse(Refusal(409, f"message batch {batch_id} is still processing; only an ended batch can be "
-                              "deleted", hint=f"cancel it first: POST /v1/messages/batches/{batch_id}/cancel"))
-    await services.jobs.archive(batch_id)
+    try:
+        await _ended_row(batch_id, "only an ended batch can be deleted",
+                         f"cancel it first: POST /v1/messages/batches/{batch_id}/cancel")
+    except Refusal as error:
+        return refuse(error)
+    await current_app.services.jobs.archive(batch_id)
     return json_response({"id": batch_id, "type": "message_batch_deleted"})

@@ -109,7 +109,7 @@ async def slot_action(slot_id: int):
 async def ps_reset():
     services = current_app.services
     cleared = []
-    for lane in (services.lanes or {"llamacpp": services.lane}).values():
+    for lane in services.lane_clients().values():
         cleared += await lane.reset(request.args.get("model"))
     return Response(msgspec.json.encode({"cleared": cleared}), content_type="application/json")
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import trio
 from quart import Blueprint, Response, current_app, request
 
-from dialects.edge import Refusal, json_response, refuse, viewer
+from dialects.edge import Refusal, json_response, limit_arg, refuse, viewer
 from supervisors.jobs import TERMINAL, job_view
 
 blueprint = Blueprint("jobs", __name__)
 
-STATES = ("queued", "running", "completed", "failed", "cancelled")
+STATES = ("queued", "running", *TERMINAL)
 
 
 def _missing(job_id: str) -> Response:
@@ -28,10 +28,11 @@ async def list_jobs():
     state, kind = args.get("state"), args.get("kind")
     if state is not None and state not in STATES:
         return refuse(Refusal(400, f"?state= must be one of {', '.join(STATES)}; got {state!r}"))
-    raw_limit = args.get("limit", "50")
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 1000:
-        return refuse(Refusal(400, f"?limit= must be a whole number from 1 to 1000 (default 50); got {raw_limit!r}"))
-    rows = await current_app.services.jobs.list(state=state, kind=kind, limit=int(raw_limit), viewer=viewer())
+    try:
+        limit = limit_arg(args, 50, 1000)
+    except Refusal as error:
+        return refuse(error)
+    rows = await current_app.services.jobs.list(state=state, kind=kind, limit=limit, viewer=viewer())
     return json_response({"object": "list", "data": [job_view(r) for r in rows]})
 
 

@@ -16,10 +16,10 @@ from quart import Blueprint, Response, current_app, request
 
 from dialects.batches import LOW_PRIORITY, ItemFailed, counts_of, decode_lines, item_rows, run_items
 from dialects.chat_core import completion_result, run_chat
-from dialects.edge import Refusal, forward, json_response, owner, refuse, viewer
+from dialects.edge import Refusal, forward, json_response, limit_arg, owner, refuse, viewer
 from dialects.wire import RequestError, check_choices, decode_object, require_model
 from supervisors.instance import UpstreamCall
-from supervisors.jobs import JobContext
+from supervisors.jobs import TERMINAL, JobContext
 
 from .responses_routes import answer
 from .responses_translate import check_request as check_response_request
@@ -175,7 +175,7 @@ def batch_object(row: dict[str, Any]) -> dict[str, Any]:
     state = row["state"]
     status = {"queued": "validating", "running": "in_progress", "completed": "completed", "failed": "failed",
               "cancelled": "cancelled"}[state]
-    ended = state in ("completed", "failed", "cancelled")
+    ended = state in TERMINAL
     finished = int(row["finished"]) if row["finished"] else None
     errors = None
     if state == "failed" and row["error"]:
@@ -232,10 +232,11 @@ async def create_batch():
 
 @blueprint.get("/v1/batches")
 async def list_batches():
-    raw_limit = request.args.get("limit", "20")
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
-        return refuse(Refusal(400, f"?limit= must be a whole number from 1 to 100, got {raw_limit!r}"))
-    rows = await current_app.services.jobs.list(state=None, kind="batch", limit=int(raw_limit), viewer=viewer())
+    try:
+        limit = limit_arg(request.args, 20, 100)
+    except Refusal as error:
+        return refuse(error)
+    rows = await current_app.services.jobs.list(state=None, kind="batch", limit=limit, viewer=viewer())
     data = [batch_object(r) for r in rows]
     return json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                           "last_id": data[-1]["id"] if data else None, "has_more": False})

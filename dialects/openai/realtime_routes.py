@@ -17,7 +17,7 @@ from quart import Blueprint, current_app, websocket
 from blazar import audio_models
 from blazar.pcm import resample
 from dialects.chat_core import run_chat
-from dialects.edge import Refusal, acting_for, forward
+from dialects.edge import Refusal, acting_for, forward, owner
 from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply
 from supervisors.realtime import RealtimeSession, Settings, Sink
 
@@ -70,11 +70,6 @@ class GatewayPipeline:
                     await sink(resample(item.data, rate))
 
 
-def _owner() -> str | None:
-    record = websocket.scope.get("blazar.key") if websocket.scope.get("blazar.auth") else None
-    return record.name if record is not None else None
-
-
 @blueprint.websocket("/v1/realtime")
 async def realtime():
     services = current_app.services
@@ -84,7 +79,7 @@ async def realtime():
     settings = Settings(model=websocket.args.get("model") or DEFAULT_CHAT, voice=voice,
                         stt_model=websocket.args.get("stt_model") or "whisper-1")
     await websocket.accept()
-    session = RealtimeSession(settings, GatewayPipeline(services, _owner(), settings.model),
+    session = RealtimeSession(settings, GatewayPipeline(services, owner(websocket.scope), settings.model),
                               idle_ttl=services.config.realtime_idle_secs, hard_ttl=services.config.realtime_max_secs)
     reason = await session.run(websocket.receive, websocket.send)
     await websocket.close(1000, reason[:120])
