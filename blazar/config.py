@@ -25,6 +25,8 @@ import tomlkit
 import tomlkit.exceptions
 from tomlkit.items import AoT, Table
 
+from blazar.fabric_config import ConfigProblem, check_fabric
+
 DEFAULT_PORT = 11434
 BACKUPS_KEPT = 10
 # Origins a browser page may call from by default: pages the user runs on this machine, and local
@@ -60,6 +62,36 @@ class ModelSettings(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     parallel: int | None = None
     threads: int | None = None
     reasoning_budget: int | None = None
+    rpc: list[str] | None = None  # llama.cpp RPC workers (host:port or an [[rpc_workers]] name) to spread layers over
+
+
+class RemoteEntry(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A peer gateway or server (`[[remotes]]`); its models are addressed as `<name>:<model>`."""
+
+    name: str
+    url: str
+    kind: Literal["blazar", "openai", "ollama"] = "blazar"
+    key_env: str = ""  # the environment variable holding the key sent to the peer; the key is never stored
+    connect_timeout_secs: float = 5.0
+    read_timeout_secs: float = 300.0  # the longest the peer may stay silent mid-answer
+    poll_secs: float = 15.0  # how often a Blazar peer's /api/capacity is read into the capacity cache
+
+
+class FailoverEntry(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A failover chain (`[[failover]]`): requests for `alias` go to the first healthy target."""
+
+    name: str
+    alias: str
+    targets: list[str]
+    sticky: bool = False
+    bench_secs: float = 60.0
+
+
+class RpcWorker(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A llama.cpp rpc-server (`[[rpc_workers]]`), started on its host with `blazar rpc serve`."""
+
+    name: str
+    address: str  # host:port
 
 
 class EngineSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -92,6 +124,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     models: dict[str, ModelSettings] = {}
     keys: list[KeyEntry] = []
+    remotes: list[RemoteEntry] = []
+    failover: list[FailoverEntry] = []
+    rpc_workers: list[RpcWorker] = []
 
 
 KEY_DOCS: dict[str, str] = {
@@ -125,7 +160,11 @@ KEY_DOCS: dict[str, str] = {
     "models.<name>.parallel": "llama-server slots (--parallel) for that model",
     "models.<name>.threads": "CPU threads for that model",
     "models.<name>.reasoning_budget": "default thinking budget in tokens for that model",
+    "models.<name>.rpc": "llama.cpp RPC workers (host:port or [[rpc_workers]] names) the model's layers spread over",
     "keys": "API keys: use `blazar keys add|rm|rotate`",
+    "remotes": "peer gateways and servers: [[remotes]] name, url, kind, key_env (edit config.toml; docs/remotes.md)",
+    "failover": "failover chains: [[failover]] name, alias, targets, sticky, bench_secs (edit config.toml)",
+    "rpc_workers": "llama.cpp rpc-server workers: [[rpc_workers]] name, address (edit config.toml)",
 }
 
 ENV_PREFIX = "BLAZAR_"
@@ -188,6 +227,9 @@ def _schema_kind(parts: list[str]) -> str:
     if head == "keys":
         raise ConfigError("`keys` is managed by `blazar keys`, not `config set`",
                           fix="blazar keys add NAME (the daemon must be running)")
+    if head in ("remotes", "failover", "rpc_workers"):
+        raise ConfigError(f"`{head}` is a list of [[{head}]] tables; `config set` sets one value",
+                          fix=f"add a [[{head}]] entry to config.toml (blazar config edit); docs/remotes.md shows them")
     if head == "engine":
         if len(parts) == 1:
             return "table"
@@ -309,6 +351,10 @@ def _check_semantics(config: Config, source: str) -> None:
     parse_bind(config.bind)
     _check_keys(config, source)
     _check_audio(config, source)
+    try:
+        check_fabric(config, source)
+    except ConfigProblem as problem:
+        raise ConfigError(problem.message, fix=problem.fix) from None
     checks = [
         ("keep_alive", config.keep_alive),
         *((f'models."{name}".keep_alive', m.keep_alive) for name, m in config.models.items()

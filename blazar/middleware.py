@@ -79,7 +79,8 @@ class RequestLog:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", ()), (TRACE_HEADER, trace.encode())]
+                extra = [(k.encode(), v.encode()) for k, v in scope.get("blazar.reply_headers", {}).items()]
+                message["headers"] = [*message.get("headers", ()), (TRACE_HEADER, trace.encode()), *extra]
             await send(message)
 
         try:

@@ -33,6 +33,7 @@ PARAMETERS: dict[str, tuple[type, str]] = {
     "mirostat_tau": (float, "--mirostat-ent"),
     "seed": (int, "--seed"),
     "stop": (str, "--reverse-prompt"),
+    "rpc": (str, "--rpc"),  # host:port,host:port: llama.cpp RPC workers (the text lane also offloads every layer)
 }
 
 

@@ -43,10 +43,12 @@ from dialects.app import create_app, job_kinds
 from lanes import LANES
 from supervisors.actor import supervise
 from supervisors.admission import AdmissionActor, AdmissionClient
+from supervisors.failover import FailoverActor, FailoverClient
 from supervisors.jobs import JobsClient, JobSupervisor
 from supervisors.lane import LaneClient, LaneSupervisor
 from supervisors.ledger import LedgerActor, LedgerClient
 from supervisors.registry import RegistryActor, RegistryClient
+from supervisors.remotes import RemotePeer, RemotesClient
 from supervisors.requests import RequestRegistry, RequestsClient
 from supervisors.responses import ResponsesClient, ResponseStore
 from supervisors.services import Services
@@ -143,6 +145,15 @@ async def run_gateway(
         services = Services(paths=paths, config=config, ledger=ledger, registry=registry,
                             engine_identity=Roster(paths).identity, lane=lane, requests=requests, obs=obs,
                             admission=admission, responses=responses, lanes=lanes)
+        if config.remotes:
+            peers = {entry.name: await root.start(partial(
+                supervise, lambda entry=entry: RemotePeer(entry, cooldown_secs=config.breaker_cooldown_secs,
+                                                          environ=environ), mailbox_size=1024))
+                     for entry in config.remotes}
+            services.remotes = RemotesClient(peers, config.remotes)
+        if config.failover:
+            services.failover = FailoverClient(await root.start(partial(
+                supervise, lambda: FailoverActor(config.failover), mailbox_size=1024)), config.failover)
         kinds = job_kinds(services)
         services.jobs = JobsClient(await root.start(partial(
             supervise, lambda: JobSupervisor(ledger, kinds, artifacts=paths.home / "jobs", concurrency=JOB_SLOTS),

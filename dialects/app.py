@@ -20,6 +20,7 @@ from .anthropic.routes import blueprint as anthropic
 from .census import closest_routes
 from .edge import Refusal
 from .native.engine_routes import blueprint as native_engine
+from .native.fabric_routes import blueprint as fabric
 from .native.jobs_routes import blueprint as jobs
 from .native.routes import blueprint as native
 from .ollama.routes import blueprint as ollama
@@ -59,7 +60,7 @@ def create_app(services: Services) -> BlazarApp:
     app.config["BODY_TIMEOUT"] = None
     app.config["RESPONSE_TIMEOUT"] = None
     for blueprint in (native, openai, request_cards, native_engine, ollama, anthropic, admin, keys, jobs, responses,
-                      openai_batches, anthropic_batches, audio, realtime):
+                      fabric, openai_batches, anthropic_batches, audio, realtime):
         app.register_blueprint(blueprint)
     if test_hooks_enabled():
         from .native.test_hooks import blueprint as hooks  # only with BLAZAR_TEST_HOOKS=1

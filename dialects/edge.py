@@ -19,8 +19,11 @@ from quart import Response
 
 from blazar.admission import HeaderError, schedule
 from blazar.errors import error_bytes
+from blazar.fabric_config import parse_failover_target, remote_target
 from dialects.wire import RequestError, check_choices
 from lanes.base import PlanRefused
+from lanes.remote import HOPS_HEADER, MAX_HOPS, PASSED_HEADERS
+from lanes.rpc import probe_rpc_workers
 from supervisors.actor import ActorError, ActorStopped, ActorUnavailable, Err, call, tell
 from supervisors.instance import (
     StreamFailure,
@@ -275,23 +278,79 @@ async def submit(services: Any, handle: Handle, upstream: UpstreamCall, headers:
         raise
 
 
+def reply_header(name: str, value: str) -> None:
+    """A header for the response of the current request (added by the request-log middleware at response
+    start, whatever route or dialect answers)."""
+    from quart import has_request_context, request
+
+    if has_request_context():
+        request.scope.setdefault("blazar.reply_headers", {})[name] = value
+
+
+def remote_of(services: Any, model: str) -> tuple[str, str] | None:
+    """(peer, the model's name there) when `model` is `<peer>:<model>` for a configured [[remotes]] peer."""
+    if services.remotes is None:
+        return None
+    found = remote_target(services.config.remotes, model)
+    return (found[0].name, found[1]) if found is not None else None
+
+
+def require_local(services: Any, model: str, what: str) -> None:
+    """Refuse a local-only operation on a remote model or a failover alias, saying what to do instead."""
+    remote = remote_of(services, model)
+    if remote is not None:
+        raise Refusal(400, f"{what} acts on this gateway's own models; {model} is {remote[1]} on remote "
+                      f"{remote[0]}", hint=f'warm it there: POST /api/replicate {{"model": "{remote[1]}", '
+                      f'"peers": ["{remote[0]}"]}}')
+    chain = services.failover.chain_for(model) if services.failover is not None else None
+    if chain is not None:
+        raise Refusal(400, f"{model} is the alias of failover chain {chain.name}; {what} takes one of its "
+                      f"targets", hint=f"GET /api/failover/{chain.name} lists them")
+
+
+def _fabric_target(services: Any, model: str, lane_kind: str) -> tuple[Any, tuple[str, str] | None]:
+    chain = services.failover.chain_for(model) if services.failover is not None else None
+    remote = remote_of(services, model) if chain is None else None
+    if (chain is not None or remote is not None) and lane_kind != "llamacpp":
+        what = f"failover alias of chain {chain.name}" if chain is not None else f"model on remote {remote[0]}"
+        raise Refusal(400, f"{model} is a {what}; {lane_kind} requests are served by local models only",
+                      hint="name a local model (GET /v1/models lists them)")
+    return chain, remote
+
+
 async def forward(services: Any, model: str, upstream: UpstreamCall, headers: Any,
                   keep_alive: float | None = None, num_ctx: int | None = None,
                   spawn_options: dict[str, Any] | None = None, choices: int = 1,
                   lane_kind: str = "llamacpp") -> UpstreamReply | UpstreamStream:
-    """Admit, ensure, submit. A request whose child was stopped before it reached it (an eviction, a
-    context restart, a crash) is placed once more on the model's next child. The lane's answer is cached
-    per request shape (LaneClient.ensure), so a request to a resident model goes straight to its instance;
-    a stale cached handle is forgotten and the lane asked, without spending the retry. Raises Refusal."""
+    """Admit, then serve from where `model` lives: a failover chain's alias, a remote peer's `peer:model`,
+    or a local model (ensure, submit). Raises Refusal."""
     _tag_model(model)
+    chain, remote = _fabric_target(services, model, lane_kind)
     client = services.lane_clients()[lane_kind]
     lane = client.lane
-    if choices > lane.max_choices:  # refused before anything loads
+    if choices > lane.max_choices and chain is None and remote is None:  # refused before anything loads
         try:
             check_choices({"n": choices}, lane=lane.kind, ceiling=lane.max_choices)
         except RequestError as error:
             raise Refusal(400, error.message) from None
     on_usage = await admit_request(services, model, getattr(lane, "charge", "tokens"))
+    if chain is not None:
+        return await _forward_chain(services, chain, upstream, headers, on_usage, keep_alive=keep_alive,
+                                    num_ctx=num_ctx, spawn_options=spawn_options)
+    if remote is not None:
+        return await _forward_remote(services, remote[0], remote[1], upstream, headers, on_usage)
+    return await _forward_local(services, client, model, upstream, headers, on_usage, keep_alive=keep_alive,
+                                num_ctx=num_ctx, spawn_options=spawn_options)
+
+
+async def _forward_local(services: Any, client: Any, model: str, upstream: UpstreamCall, headers: Any,
+                         on_usage: Callable[[int], None] | None, *, keep_alive: float | None = None,
+                         num_ctx: int | None = None,
+                         spawn_options: dict[str, Any] | None = None) -> UpstreamReply | UpstreamStream:
+    """Ensure, submit. A request whose child was stopped before it reached it (an eviction, a context
+    restart, a crash) is placed once more on the model's next child. The lane's answer is cached per request
+    shape (LaneClient.ensure), so a request to a resident model goes straight to its instance; a stale cached
+    handle is forgotten and the lane asked, without spending the retry."""
     if num_ctx is None:
         num_ctx = num_ctx_header(headers)
     retries = 1
@@ -303,18 +362,110 @@ async def forward(services: Any, model: str, upstream: UpstreamCall, headers: An
         except Refusal as refusal:
             if refusal.code != "all_slots_busy":
                 client.forget(handle)  # unloading, gone or failing: the next request asks the lane
-            if refusal.code not in RETRIED_CODES:
-                raise
+            if refusal.code not in RETRIED_CODES or (not cached and retries == 0):
+                raise await rpc_diagnosis(handle, refusal) from None
             if not cached:  # a stale cached handle costs no retry: the lane had not been asked yet
-                if retries == 0:
-                    raise
                 retries -= 1
+
+
+async def rpc_diagnosis(handle: Handle, refusal: Refusal) -> Refusal:
+    """An engine failure of a model spread over llama.cpp RPC workers, told as the worker that is down."""
+    workers = getattr(handle.plan, "rpc", ())
+    if not workers or refusal.status < 500:
+        return refusal
+    down = [(address, why) for address, why in await probe_rpc_workers(workers) if why]
+    if not down:
+        return refusal
+    named = "; ".join(f"{address} ({why})" for address, why in down)
+    return Refusal(502, f"{handle.key} spreads its layers over llama.cpp RPC workers, and {named} does not "
+                   f"answer, so its engine failed: {refusal.message}", code="rpc_worker_down",
+                   hint="start the worker again on its host (blazar rpc serve --port PORT), or take it out of the "
+                   "model's rpc list in config.toml; GET /api/fabric shows every worker")
+
+
+def _hops(headers: Any) -> int:
+    raw = (headers.get(HOPS_HEADER) or "0").strip()
+    return int(raw) if raw.isdigit() else 0
+
+
+async def _forward_remote(services: Any, peer: str, model: str, upstream: UpstreamCall, headers: Any,
+                          on_usage: Callable[[int], None] | None) -> UpstreamReply | UpstreamStream:
+    """One request to a remote peer's model, relayed by the peer's actor; the answer is shaped as a local
+    instance's, so the caller's dialect relays it the same way."""
+    hops = _hops(headers)
+    if hops >= MAX_HOPS:
+        raise Refusal(508, f"this request has already crossed {hops} gateways ({HOPS_HEADER}); remotes are "
+                      "forwarding it in a loop", hint="check the [[remotes]] entries of the gateways on the way")
+    passed = tuple((name, headers.get(name)) for name in PASSED_HEADERS if headers.get(name))
+    reply_header("x-blazar-remote", peer)
+    try:
+        return await services.remotes.submit(peer, model, upstream, (*passed, (HOPS_HEADER, str(hops + 1))),
+                                             on_usage, within=REQUEST_CALL_LIMIT_SECS)
+    except ActorError as error:
+        raise Refusal.from_err(error.err) from None
+    except ActorUnavailable as error:
+        raise Refusal(502, f"remote {peer}'s actor stopped answering: {error}", hint="retry") from None
+
+
+def _target_failed(status: int) -> bool:
+    """A failover target that answered this did not serve: the next one may (404: the model is not there)."""
+    return status >= 500 or status == 404
+
+
+async def _forward_chain(services: Any, chain: Any, upstream: UpstreamCall, headers: Any,
+                         on_usage: Callable[[int], None] | None, **local: Any) -> UpstreamReply | UpstreamStream:
+    """Serve an alias from its chain's first healthy target; a target that fails before its first byte is
+    benched and the next one serves (a pinned target serves or fails alone)."""
+    plan = await services.failover.plan(chain.name)
+    reply_header("x-blazar-failover", chain.name)
+    failures: list[str] = []
+    for index in plan["order"]:
+        target = chain.targets[index]
+        kind, peer, model = parse_failover_target(target)
+        reply_header("x-blazar-served-model", target)
+        try:
+            if kind == "remote":
+                result = await _forward_remote(services, peer, model, upstream, headers, on_usage)
+            else:
+                result = await _forward_local(services, services.lane_clients()["llamacpp"], model, upstream,
+                                              headers, on_usage, **local)
+        except Refusal as refusal:
+            if not _target_failed(refusal.status):
+                raise
+            await services.failover.report(chain.name, index, False, refusal.message[:300])
+            failures.append(f"{target}: {refusal.message}")
+            if plan["pinned"]:
+                raise
+            continue
+        if isinstance(result, UpstreamReply) and _target_failed(result.status):
+            await services.failover.report(chain.name, index, False,
+                                           f"answered {result.status}: {result.engine_message[:200]}")
+            failures.append(f"{target}: answered {result.status}")
+            if plan["pinned"]:
+                return result
+            continue
+        await services.failover.report(chain.name, index, True)
+        return result
+    raise Refusal(502, f"every target of failover chain {chain.name} failed: " + "; ".join(failures),
+                  code="failover_exhausted", hint=f"GET /api/failover/{chain.name} shows each target's state")
 
 
 async def count_input_tokens(services: Any, model: str, chat: dict[str, Any], headers: Any) -> int:
     """What a chat prompt really costs, counted the model's lane's way on its own child."""
     _tag_model(model)
     on_usage = await admit_request(services, model)
+    remote = remote_of(services, model)
+    if remote is not None:  # counted on the peer's own child (a Blazar peer serves the native routes)
+        async def ask_peer(method: str, path: str, body: bytes) -> tuple[int, bytes]:
+            reply = await _forward_remote(services, remote[0], remote[1], UpstreamCall(method=method, path=path,
+                                                                                      body=body), headers, on_usage)
+            return reply.status, reply.body
+
+        try:
+            return await services.lane.lane.count_prompt_tokens(ask_peer, chat)
+        except PlanRefused as error:
+            raise Refusal(error.status, error.message, hint=error.fix) from None
+    require_local(services, model, "counting tokens")
     handle = await ensure_model(services, model, headers, fresh=True)
 
     async def ask(method: str, path: str, body: bytes) -> tuple[int, bytes]:

@@ -28,6 +28,7 @@ import msgspec
 
 from blazar.config import Config
 from blazar.engines import Roster
+from blazar.fabric_config import rpc_addresses, split_host_port
 from blazar.modelfile import server_flags
 from blazar.paths import Paths
 from blazar.store import Store
@@ -70,6 +71,7 @@ class SpawnPlan:
     # Warnings and errors only: at info level llama-server writes ~7 lines per request, each one a wake-up
     # of the gateway's output drain on the hot path. Off when Blazar itself logs at debug.
     quiet: bool = False
+    rpc: tuple[str, ...] = ()  # llama.cpp RPC workers (host:port) the layers spread over
 
     def argv(self, port: int) -> list[str]:
         command = [
@@ -96,6 +98,9 @@ class SpawnPlan:
             command += ["--lora", str(lora)]
         if self.chat_template_file:
             command += ["--chat-template-file", str(self.chat_template_file)]
+        if self.rpc:
+            # Every layer offloaded: with RPC devices present, they are what the layers are split over.
+            command += ["--rpc", ",".join(self.rpc), "--n-gpu-layers", "999"]
         command += list(self.extra_flags)
         command += spawn_option_flags(dict(self.spawn_options))
         return command
@@ -213,6 +218,26 @@ def engine_help(binary: Path) -> str:
     return _HELP_CACHE[key]
 
 
+def rpc_workers_of(config: Config, manifest: Any, engine_tag: str, help_text: str) -> tuple[str, ...]:
+    """A model's RPC workers: config `models."<name>".rpc` (names of [[rpc_workers]] resolved), else the
+    Modelfile's `PARAMETER rpc host:port,...`."""
+    addresses = rpc_addresses(config, manifest.name)
+    if not addresses and manifest.overlay.get("rpc"):
+        addresses = tuple(a.strip() for a in str(manifest.overlay["rpc"]).split(",") if a.strip())
+        for address in addresses:
+            try:
+                split_host_port(address)
+            except ValueError:
+                raise PlanRefused(f"{manifest.name}'s Modelfile has PARAMETER rpc {manifest.overlay['rpc']!r}; "
+                                  f"{address!r} is not host:port", fix="PARAMETER rpc 192.168.1.30:50052,"
+                                  "192.168.1.31:50052", status=409) from None
+    if addresses and "--rpc" not in help_text:
+        raise PlanRefused(f"{manifest.name} spreads over RPC workers, but the active engine ({engine_tag}) was built "
+                          "without RPC support (no --rpc)", fix="rebuild it: blazar engine build cpu (it builds with "
+                          "GGML_RPC=ON)", status=409)
+    return addresses
+
+
 def go_template(text: str) -> bool:
     """Ollama TEMPLATEs are Go templates ({{ .Prompt }}); llama-server reads Jinja."""
     return any(marker in text for marker in ("{{ .", "{{.", "{{- .", "{{ range", "{{- range", "{{ if .", "{{- if ."))
@@ -244,7 +269,7 @@ class LlamaCppLane:
         settings = config.models.get(manifest.name)
         context, source = plan_context(num_ctx, settings.num_ctx if settings else None,
                                        manifest.overlay.get("num_ctx"), manifest.info.get("context_length"))
-        sampling_keys = {"num_ctx", "num_thread"}
+        sampling_keys = {"num_ctx", "num_thread", "rpc"}
         flags = server_flags({k: v for k, v in manifest.overlay.items() if k not in sampling_keys})
         threads = settings.threads if settings and settings.threads else manifest.overlay.get("num_thread")
         binary = Path(engine.binary)
@@ -257,6 +282,7 @@ class LlamaCppLane:
                               f"({engine.tag}) has no --reasoning-budget",
                               fix=f"update the engine (blazar engine update) or unset it: blazar config unset "
                               f"'models.\"{manifest.name}\".reasoning_budget'", status=409)
+        rpc = rpc_workers_of(config, manifest, engine.tag, help_text)
         template_file = None
         if manifest.template:
             if go_template(manifest.template):
@@ -280,7 +306,7 @@ class LlamaCppLane:
             extra_flags=tuple(flags), size_bytes=manifest.size, digest=manifest.blob,
             reasoning_budget=reasoning_budget, loras=tuple(store.blob_path(a) for a in manifest.adapters),
             chat_template_file=template_file, system=manifest.system,
-            spawn_options=tuple(spawn_options), gpu_engine=gpu_engine)
+            spawn_options=tuple(spawn_options), gpu_engine=gpu_engine, rpc=rpc)
 
     def argv(self, plan: SpawnPlan, port: int) -> list[str]:
         return plan.argv(port)
@@ -298,6 +324,7 @@ class LlamaCppLane:
             "chat_template": str(plan.chat_template_file) if plan.chat_template_file else "the GGUF's own",
             "system_default": plan.system,
             "spawn_options": dict(plan.spawn_options),
+            "rpc_workers": list(plan.rpc),
             "flags": plan.argv(0)[1:],
         }
 

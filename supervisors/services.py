@@ -16,10 +16,12 @@ from blazar.observability import Observability
 from blazar.paths import Paths
 
 from .admission import AdmissionClient
+from .failover import FailoverClient
 from .jobs import JobsClient
 from .lane import LaneClient
 from .ledger import LedgerClient
 from .registry import RegistryClient
+from .remotes import RemotesClient
 from .requests import RequestsClient
 from .responses import ResponsesClient
 
@@ -41,6 +43,8 @@ class Services:
     obs: Observability | None = None
     admission: AdmissionClient | None = None  # its gate holds the live key table
     jobs: JobsClient | None = None
+    remotes: RemotesClient | None = None  # [[remotes]] peers (None: none configured)
+    failover: FailoverClient | None = None  # [[failover]] chains (None: none configured)
 
     def lane_clients(self) -> dict[str, LaneClient]:
         """Every lane by kind (a Services built with the text lane alone has just that one)."""

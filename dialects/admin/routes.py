@@ -132,6 +132,28 @@ def _cpu() -> dict[str, Any]:
             "ram_available_bytes": memory.get("MemAvailable")}
 
 
+async def remote_lines(services: Any) -> list[dict[str, Any]]:
+    """Each peer from its actor's cache (never a live call): reach, breaker, and for a Blazar peer its
+    capacity summary with the snapshot's age."""
+    return await services.remotes.describe_all() if services.remotes is not None else []
+
+
+async def rpc_worker_lines(services: Any) -> list[dict[str, Any]]:
+    """Every llama.cpp RPC worker in config ([[rpc_workers]] and models' rpc lists), probed now (TCP, 2 s)."""
+    from blazar.fabric_config import rpc_addresses
+    from lanes.rpc import probe_rpc_workers
+
+    config = services.config
+    names = {w.address: w.name for w in config.rpc_workers}
+    users: dict[str, list[str]] = {address: [] for address in names}
+    for model in config.models:
+        for address in rpc_addresses(config, model):
+            users.setdefault(address, []).append(model)
+    probed = await probe_rpc_workers(users)
+    return [{"address": address, "name": names.get(address), "models": users[address],
+             "health": "up" if not why else "down", "error": why or None} for address, why in probed]
+
+
 @blueprint.get("/api/capacity")
 async def capacity():
     devices, note = await trio.to_thread.run_sync(gpu_census)
@@ -141,6 +163,7 @@ async def capacity():
         for process in device["compute_processes"]:
             process["resident"] = process["pid"] in resident_pids
     return _json({"gpus": devices, "note": note, "cpu": await trio.to_thread.run_sync(_cpu),
+                  "remotes": await remote_lines(current_app.services),
                   "residents": [{"model": r["model"], "pid": r.get("pid"), "device": "cpu" if not devices else "gpu",
                                  "size_bytes": r.get("size_bytes"), "lane": r.get("lane")} for r in rows]})
 
@@ -163,7 +186,8 @@ async def fabric():
                         for r in rows],
         "engines": [{"tag": e.tag, "kind": e.kind, "backend": e.backend, "active": e.tag == roster.active}
                     for e in roster.engines.values()],
-        "remotes": [],
+        "remotes": await remote_lines(services),
+        "rpc_workers": await rpc_worker_lines(services),
         "notes": notes,
     })
 

@@ -6,11 +6,11 @@ from collections.abc import Callable
 from typing import Any
 
 REQUEST_HEADERS = ["x-blazar-trace-id"]
-RESPONSE_HEADERS = ["x-blazar-trace-id"]
+RESPONSE_HEADERS = ["x-blazar-trace-id", "x-blazar-remote", "x-blazar-failover", "x-blazar-served-model"]
 
 
 def build_manifest(*, version: str, census: list[tuple[str, str]], dialect_of: Callable[[str], str],
-                   engine: dict[str, Any] | None, keys_enabled: bool) -> dict[str, Any]:
+                   engine: dict[str, Any] | None, keys_enabled: bool, remotes: bool = False) -> dict[str, Any]:
     endpoints = [{"method": method, "path": path, "api": dialect_of(path)} for method, path in census]
     apis: dict[str, int] = {}
     for endpoint in endpoints:
@@ -29,7 +29,7 @@ def build_manifest(*, version: str, census: list[tuple[str, str]], dialect_of: C
             "keys": keys_enabled,
             "tls": False,
             "otlp": False,
-            "remotes": False,
+            "remotes": remotes,  # [[remotes]] are configured: peer:model and failover chains reach them
             "singleflight": True,  # identical buffered OpenAI chat requests share one generation
             "session_bank": False,
             "prompt_preflight": False,

@@ -30,4 +30,5 @@ async def well_known():
         dialect_of=dialect_for_path,
         engine=await trio.to_thread.run_sync(services.engine_identity),
         keys_enabled=services.admission.gate.table.enabled,
+        remotes=services.remotes is not None,
     ))

@@ -15,7 +15,17 @@ from blazar import __version__
 from blazar.config import ConfigError, parse_duration
 from blazar.sysinfo import gpu_memory_by_pid
 from dialects.chat_core import ChatResult, StreamBroken, ToolCallAccumulator, completion_result
-from dialects.edge import Refusal, ensure_model, forward, owner, refuse, residents, submit, unload_anywhere
+from dialects.edge import (
+    Refusal,
+    ensure_model,
+    forward,
+    owner,
+    refuse,
+    require_local,
+    residents,
+    submit,
+    unload_anywhere,
+)
 from dialects.session import RequestSession, chat_session, flight_key
 from dialects.wire import RequestError, decode_object
 from supervisors.actor import ActorError
@@ -200,7 +210,13 @@ async def ps():
                        "digest": row.get("digest", ""), "context_length": row.get("context"),
                        "expires_at": t.rfc3339(now + idle) if idle is not None else None,
                        "blazar_engine": row.get("engine")})
-    return _json({"models": models})
+    services = current_app.services
+    if services.remotes is None:
+        return _json({"models": models})
+    remotes = [{"name": peer["name"], "kind": peer.get("kind"), "reach": peer.get("reach"),
+                "breaker": peer.get("breaker"), **({"capacity": peer["capacity"]} if peer.get("capacity") else {})}
+               for peer in await services.remotes.describe_all()]
+    return _json({"models": models, "remotes": remotes})
 
 
 async def run_pull(services: Any, ctx: JobContext) -> dict[str, Any]:
@@ -393,6 +409,7 @@ async def _load_or_unload(body: dict[str, Any], model: str, options: t.OptionsRe
         payload = {"model": model, "created_at": t.now_rfc3339(), "done": True, "done_reason": "unload"}
     else:
         try:
+            require_local(services, model, "loading with an empty request")
             handle = await ensure_model(services, model, request.headers, options.num_ctx, options.spawn, fresh=True)
             await submit(services, handle, UpstreamCall(method="GET", path=handle.lane.health_path), request.headers,
                          keep_alive=keep_alive)

@@ -1,0 +1,297 @@
+"""Two real gateways on loopback, in separate homes: A reaches B's SmolLM2 as `den:smollm2:135m` through every
+official SDK, buffered and streamed; failover chains bench a dead target and pin one; /api/route explains
+each decision; a peer that dies mid-stream ends the stream with each dialect's error frame."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import ollama
+import openai
+import pytest
+import trio
+
+from blazar.config import FailoverEntry, KeyEntry, RemoteEntry
+from blazar.paths import Paths
+from lanes.child import free_port
+from tests.conftest import start_gateway
+from tests.lane_fixtures import add_shared_model, register_engine
+
+pytestmark = pytest.mark.engine
+
+PEER_KEY = "plm_" + "d" * 32
+REMOTE_MODEL = "den:smollm2:135m"
+PROMPT = [{"role": "user", "content": "Name a color."}]
+
+
+def run(function):
+    return trio.to_thread.run_sync(function)
+
+
+@pytest.fixture
+async def den(nursery, tmp_path, shared_home, shared_engine):
+    """Gateway B: the real engine and SmolLM2, locked with a key."""
+    home = Paths(tmp_path / "den").ensure()
+    register_engine(home, shared_engine.binary, shared_engine.tag)
+    add_shared_model(home, shared_home)
+    return await start_gateway(nursery, home, keys=[KeyEntry(name="gateway-a", secret=PEER_KEY)])
+
+
+def closed_port_url() -> str:
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there: connections are refused
+
+
+@pytest.fixture
+async def gateway_a(nursery, tmp_path, den):
+    """Gateway A: no engine, no model of its own; B is its remote `den`, plus a chain whose first target is
+    a remote that is down."""
+    home = Paths(tmp_path / "a").ensure()
+    remotes = [RemoteEntry(name="den", url=den.url, key_env="BLAZAR_DEN_KEY", poll_secs=1),
+               RemoteEntry(name="attic", url=closed_port_url(), connect_timeout_secs=1)]
+    chains = [FailoverEntry(name="chat", alias="chat-any", bench_secs=600,
+                            targets=["remote:attic:smollm2:135m", "remote:den:smollm2:135m"])]
+    return await start_gateway(nursery, home, remotes=remotes, failover=chains,
+                               environ={"BLAZAR_DEN_KEY": PEER_KEY})
+
+
+async def test_all_three_sdks_reach_a_model_on_a_peer(gateway_a):
+    with trio.fail_after(240):
+        client = openai.OpenAI(base_url=f"{gateway_a.url}/v1", api_key="unused", max_retries=0)
+        raw = await run(lambda: client.chat.completions.with_raw_response.create(
+            model=REMOTE_MODEL, messages=PROMPT, max_tokens=12, temperature=0))
+        assert raw.headers["x-blazar-remote"] == "den"
+        buffered = raw.parse()
+        assert buffered.choices[0].message.content.strip() and buffered.usage.completion_tokens > 0
+        streamed = await run(lambda: "".join(
+            c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                model=REMOTE_MODEL, messages=PROMPT, max_tokens=12, temperature=0, stream=True) if c.choices))
+        assert streamed == buffered.choices[0].message.content
+
+        claude = anthropic.Anthropic(base_url=gateway_a.url, api_key="unused", max_retries=0)
+        message = await run(lambda: claude.messages.create(model=REMOTE_MODEL, max_tokens=12, messages=PROMPT,
+                                                            extra_body={"temperature": 0}))
+        assert message.content[0].text == buffered.choices[0].message.content
+
+        def claude_stream() -> str:
+            with claude.messages.stream(model=REMOTE_MODEL, max_tokens=12, messages=PROMPT,
+                                        extra_body={"temperature": 0}) as stream:
+                return "".join(stream.text_stream)
+
+        assert await run(claude_stream) == message.content[0].text
+
+        llama = ollama.Client(host=gateway_a.url)
+        answer = await run(lambda: llama.chat(model=REMOTE_MODEL, messages=PROMPT,
+                                              options={"temperature": 0, "num_predict": 12}))
+        assert answer.message.content == buffered.choices[0].message.content
+        parts = await run(lambda: [p.message.content for p in llama.chat(
+            model=REMOTE_MODEL, messages=PROMPT, options={"temperature": 0, "num_predict": 12}, stream=True)])
+        assert len(parts) > 2 and "".join(parts) == answer.message.content
+
+
+async def test_peer_lines_in_ps_fabric_capacity_and_the_manifest(gateway_a, den):
+    async with gateway_a.client() as client:
+        with trio.fail_after(60):
+            while True:  # the prober reads den's capacity every second; wait for the first snapshot
+                ps = (await client.get("/api/ps")).json()
+                line = next(r for r in ps["remotes"] if r["name"] == "den")
+                if line.get("capacity") is not None:
+                    break
+                await trio.sleep(0.2)
+            assert line["reach"] == "reachable" and line["breaker"] == "closed"
+            assert line["capacity"]["devices"] == 0 and line["capacity"]["age_secs"] >= 0
+            while True:
+                attic = next(r for r in (await client.get("/api/fabric")).json()["remotes"] if r["name"] == "attic")
+                if attic["reach"] == "unreachable":
+                    break
+                await trio.sleep(0.2)
+            assert "did not accept a connection" in attic["last_error"]
+            capacity = (await client.get("/api/capacity")).json()
+            assert {r["name"] for r in capacity["remotes"]} == {"den", "attic"}
+            manifest = (await client.get("/.well-known/blazar")).json()
+            assert manifest["features"]["remotes"] is True
+            assert "x-blazar-served-model" in manifest["headers"]["response"]
+    async with den.client(headers={"authorization": f"Bearer {PEER_KEY}"}) as client:  # no remotes: it says so
+        ps = (await client.get("/api/ps")).json()
+        assert "remotes" not in ps
+        manifest = (await client.get("/.well-known/blazar")).json()
+        assert manifest["features"]["remotes"] is False
+
+
+async def test_failover_benches_the_dead_target_and_a_pin_holds(gateway_a):
+    body = {"model": "chat-any", "messages": PROMPT, "max_tokens": 6, "temperature": 0}
+    async with gateway_a.client(timeout=120) as client:
+        with trio.fail_after(240):
+            reply = await client.post("/v1/chat/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            assert reply.headers["x-blazar-failover"] == "chat"
+            assert reply.headers["x-blazar-served-model"] == "remote:den:smollm2:135m"
+            assert reply.headers["x-blazar-remote"] == "den"
+
+            chain = (await client.get("/api/failover/chat-any")).json()  # by alias
+            attic, den_target = chain["targets"]
+            assert attic["benched"] and "did not accept a connection" in attic["last_failure"]
+            assert den_target["serving"] and not den_target["benched"]
+            [switch] = [h for h in chain["history"] if h["event"] == "switch"]
+            assert switch["from"] == "remote:attic:smollm2:135m" and switch["to"] == "remote:den:smollm2:135m"
+
+            # Streamed, the benched target is not tried again: den answers at once.
+            async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as stream:
+                assert stream.headers["x-blazar-served-model"] == "remote:den:smollm2:135m"
+                assert "[DONE]" in "".join([chunk async for chunk in stream.aiter_text()])
+
+            route = (await client.get("/api/route/chat-any")).json()
+            assert route["kind"] == "failover" and route["decision"] == "remote:den"
+            assert route["target"] == "remote:den:smollm2:135m"
+
+            pinned = await client.post("/api/failover/chat/pin", json={"index": 0})
+            assert pinned.json()["pinned"] == 0
+            refused = await client.post("/v1/chat/completions", json=body)
+            assert refused.status_code == 502 and "attic" in refused.json()["error"]["message"]
+            assert refused.headers["x-blazar-served-model"] == "remote:attic:smollm2:135m"  # no switch
+            route = (await client.get("/api/route/chat-any")).json()
+            assert route["decision"] == "remote:attic" and "is pinned" in route["reason"]
+            chain = (await client.get("/api/failover")).json()["chains"][0]
+            assert chain["serving"] == "remote:den:smollm2:135m" and chain["pinned"] == 0
+
+            await client.post("/api/failover/chat/unpin")
+            again = await client.post("/v1/chat/completions", json=body)
+            assert again.status_code == 200 and again.headers["x-blazar-served-model"] == "remote:den:smollm2:135m"
+
+            bad = await client.post("/api/failover/chat/pin", json={"index": 7})
+            assert bad.status_code == 400 and "0..1" in bad.json()["error"]  # the Ollama-dialect error shape
+            unknown = await client.get("/api/failover/nope")
+            assert unknown.status_code == 404 and "chat (alias chat-any)" in unknown.json()["error"]
+
+
+async def test_route_explains_each_decision(gateway_a):
+    async with gateway_a.client(timeout=60) as client:
+        with trio.fail_after(120):
+            await client.post("/v1/chat/completions", json={"model": REMOTE_MODEL, "messages": PROMPT,
+                                                            "max_tokens": 1})
+            while True:  # den's capacity snapshot after that request lists smollm2 as resident there
+                card = (await client.get(f"/api/route/{REMOTE_MODEL}")).json()
+                if card["remote"]["tier"] == "warm":
+                    break
+                await trio.sleep(0.2)
+            assert card["decision"] == "remote:den" and card["target"] == "remote:den:smollm2:135m"
+            assert card["remote"]["breaker"] == "closed" and card["wait_estimate"] == "resident there: no load"
+
+            local = (await client.get("/api/route/smollm2:135m")).json()  # A has no such model of its own
+            assert local["decision"] == "none" and local["target"] is None and "blazar pull" in local["reason"]
+            assert next(p for p in local["peers"] if p["name"] == "den")["tier"] == "warm"
+
+            for _ in range(3):  # three failures in a row open attic's breaker
+                failed = await client.post("/v1/chat/completions", json={"model": "attic:smollm2:135m",
+                                                                          "messages": PROMPT})
+                assert failed.status_code == 502 and "did not accept a connection" in failed.json()["error"]["message"]
+            card = (await client.get("/api/route/attic:smollm2:135m")).json()
+            assert card["decision"] == "none" and card["target"] is None and "breaker is open" in card["reason"]
+            refused = await client.post("/v1/chat/completions", json={"model": "attic:smollm2:135m",
+                                                                       "messages": PROMPT})
+            assert refused.status_code == 503 and "breaker is open" in refused.json()["error"]["message"]
+            assert int(refused.headers["retry-after"]) > 0
+
+
+async def test_warm_and_replicate(gateway_a, den):
+    async with gateway_a.client(timeout=120) as client:
+        with trio.fail_after(240):
+            replicated = (await client.post("/api/replicate", json={"model": "smollm2:135m"})).json()
+            by_peer = {r["peer"]: r for r in replicated["results"]}
+            assert by_peer["den"]["status"] == 200
+            warm = by_peer["den"]["response"]
+            assert warm["lane"] == "llamacpp" and warm["engine"] and warm["load_ms"] > 0
+            assert warm["resident"]["state"] in ("ready", "busy")
+            assert by_peer["attic"]["status"] == 502 and "did not accept" in by_peer["attic"]["error"]
+            refused = await client.post("/api/replicate", json={"model": "smollm2:135m", "peers": ["nope"]})
+            assert refused.status_code == 400 and "den, attic" in refused.json()["error"]
+            wrong = await client.post("/api/warm", json={"model": REMOTE_MODEL})
+            assert wrong.status_code == 400 and "/api/replicate" in wrong.json()["error"]
+    async with den.client(headers={"authorization": f"Bearer {PEER_KEY}"}) as client:
+        detached = await client.post("/api/warm", json={"model": "smollm2:135m"})
+        assert detached.json() == {"status": "ok"}
+        bad = await client.post("/api/warm", json={"model": "smollm2:135m", "wait": "yes"})
+        assert bad.status_code == 400 and "`wait`" in bad.json()["error"]
+
+
+async def test_a_wrong_peer_key_is_a_teaching_502(nursery, tmp_path, den):
+    home = Paths(tmp_path / "b").ensure()
+    gateway = await start_gateway(nursery, home, remotes=[RemoteEntry(name="den", url=den.url, key_env="DEN_KEY")],
+                                  environ={"DEN_KEY": "plm_wrong"})
+    unset = await start_gateway(nursery, Paths(tmp_path / "c").ensure(),
+                                remotes=[RemoteEntry(name="den", url=den.url, key_env="DEN_KEY")])
+    body = {"model": REMOTE_MODEL, "messages": PROMPT, "max_tokens": 1}
+    with trio.fail_after(60):
+        async with gateway.client() as client:
+            reply = await client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 502
+        assert "refused Blazar's key (401)" in reply.json()["error"]["message"] and "DEN_KEY" in reply.text
+        async with unset.client() as client:
+            reply = await client.post("/api/chat", json=body)
+        assert reply.status_code == 503 and "$DEN_KEY, which is not set" in reply.json()["error"]
+
+
+# ---------------------------------------------------------------- a peer dying mid-stream
+
+
+class PeerThatDiesMidStream:
+    """A fault-injection double of a peer gateway (not a real one): it answers one SSE chunk of a chat stream,
+    then drops the connection, as a peer does when its process is killed mid-answer."""
+
+    CHUNK = {"id": "x", "object": "chat.completion.chunk", "model": "m",
+             "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Blue"}, "finish_reason": None}]}
+
+    def __init__(self) -> None:
+        self.port = 0
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started()
+        await trio.serve_listeners(self.handle, listeners)
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += await stream.receive_some(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(next((line.split(b":")[1] for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length")), b"0"))
+        while len(body) < length:
+            body += await stream.receive_some(65536)
+        if b"GET " in head.split(b"\r\n")[0]:
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+            await stream.aclose()
+            return
+        event = b"data: " + json.dumps(self.CHUNK).encode() + b"\n\n"
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                              + f"{len(event):x}\r\n".encode() + event + b"\r\n")
+        await stream.aclose()  # killed: no terminating chunk
+
+
+async def test_a_peer_dying_mid_stream_ends_each_dialect_with_its_error_frame(nursery, tmp_path):
+    peer = PeerThatDiesMidStream()
+    await nursery.start(peer.serve)
+    gateway = await start_gateway(nursery, Paths(tmp_path / "a").ensure(),
+                                  remotes=[RemoteEntry(name="den", url=f"http://127.0.0.1:{peer.port}")])
+    async with gateway.client(timeout=30) as client:
+        with trio.fail_after(60):
+            openai_text = (await client.post("/v1/chat/completions", json={
+                "model": REMOTE_MODEL, "messages": PROMPT, "stream": True})).text
+            assert "Blue" in openai_text and '"error"' in openai_text and "remote den" in openai_text
+            ollama_lines = (await client.post("/api/chat", json={"model": REMOTE_MODEL, "messages": PROMPT})).text
+            last = json.loads(ollama_lines.strip().splitlines()[-1])
+            assert "remote den" in last["error"] and "Blue" in ollama_lines
+            anthropic_text = (await client.post("/v1/messages", json={
+                "model": REMOTE_MODEL, "messages": PROMPT, "max_tokens": 8, "stream": True})).text
+            assert "event: error" in anthropic_text and "remote den" in anthropic_text
+
+
+async def test_remote_addressing_needs_a_configured_peer(gateway_a):
+    """`smollm2:135m` stays a local name (no remote is called smollm2); an unknown peer prefix is a local name too."""
+    async with gateway_a.client() as client:
+        reply = await client.post("/v1/chat/completions", json={"model": "cellar:smollm2:135m", "messages": PROMPT})
+        assert reply.status_code == 404 and "cellar:smollm2:135m" in reply.json()["error"]["message"]
+        unserved = await client.post("/v1/audio/speech", json={"model": "den:en_US-joe-medium", "input": "hi"})
+        assert unserved.status_code in (400, 404)
