@@ -9,8 +9,9 @@ Kinds:
 - `blazar`: another Blazar gateway. Every text route is served as it is here (the llama.cpp-native
   routes carry the model in `X-Blazar-Model`); its `/api/capacity` and `/api/ps` feed the capacity cache,
   and it has `/api/warm`.
-- `openai`: an OpenAI-compatible server: `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`.
-- `ollama`: an Ollama server, through its OpenAI-compatible `/v1/...` routes (same three).
+- `openai`: an OpenAI-compatible server: `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`,
+  `/v1/audio/speech`.
+- `ollama`: an Ollama server, through its OpenAI-compatible `/v1/...` routes (the three text ones).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .llamacpp import LlamaCppLane, engine_error_text
 
 KINDS = ("blazar", "openai", "ollama")
 OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+SERVED_PATHS = {"openai": OPENAI_PATHS | {"/v1/audio/speech"}, "ollama": OPENAI_PATHS}
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/completion"})
 # Forwarded to the peer as they came: the trace spans the hop, the priority keeps its tier there.
 PASSED_HEADERS = ("x-blazar-trace-id", "x-blazar-priority", "x-blazar-deadline-ms")
@@ -39,9 +41,9 @@ class NotServed(Exception):
 
 
 def peer_path(kind: str, path: str) -> str:
-    if kind == "blazar" or path in OPENAI_PATHS:
+    if kind == "blazar" or path in SERVED_PATHS[kind]:
         return path
-    raise NotServed(f"{path} is not served by an {kind} peer (it speaks {', '.join(sorted(OPENAI_PATHS))})")
+    raise NotServed(f"{path} is not served by an {kind} peer (it speaks {', '.join(sorted(SERVED_PATHS[kind]))})")
 
 
 def addressed(path: str, body: bytes, model: str) -> tuple[bytes, list[tuple[bytes, bytes]]]:

@@ -17,7 +17,7 @@ from blazar.config import FailoverEntry, KeyEntry, RemoteEntry
 from blazar.paths import Paths
 from lanes.child import free_port
 from tests.conftest import start_gateway
-from tests.lane_fixtures import add_shared_model, register_engine
+from tests.lane_fixtures import add_shared_audio, add_shared_model, register_engine
 
 pytestmark = pytest.mark.engine
 
@@ -36,6 +36,7 @@ async def den(nursery, tmp_path, shared_home, shared_engine):
     home = Paths(tmp_path / "den").ensure()
     register_engine(home, shared_engine.binary, shared_engine.tag)
     add_shared_model(home, shared_home)
+    add_shared_audio(home, shared_home)
     return await start_gateway(nursery, home, keys=[KeyEntry(name="gateway-a", secret=PEER_KEY)])
 
 
@@ -293,5 +294,19 @@ async def test_remote_addressing_needs_a_configured_peer(gateway_a):
     async with gateway_a.client() as client:
         reply = await client.post("/v1/chat/completions", json={"model": "cellar:smollm2:135m", "messages": PROMPT})
         assert reply.status_code == 404 and "cellar:smollm2:135m" in reply.json()["error"]["message"]
-        unserved = await client.post("/v1/audio/speech", json={"model": "den:en_US-joe-medium", "input": "hi"})
-        assert unserved.status_code in (400, 404)
+        transcription = await client.post("/v1/audio/transcriptions", data={"model": "den:tiny.en"},
+                                          files={"file": ("a.wav", b"RIFF0000WAVE", "audio/wav")})
+        assert transcription.status_code in (400, 404)
+
+
+async def test_speech_from_a_voice_on_a_peer(gateway_a):
+    async with gateway_a.client(timeout=60) as client:
+        with trio.fail_after(120):
+            reply = await client.post("/v1/audio/speech", json={"model": "den:en_US-joe-medium",
+                                                                "input": "Hello from the den."})
+            assert reply.status_code == 200, reply.text
+            assert reply.headers["x-blazar-remote"] == "den" and reply.headers["content-type"] == "audio/wav"
+            assert reply.content[:4] == b"RIFF" and len(reply.content) > 20_000
+            pcm = await client.post("/v1/audio/speech", json={"model": "den:en_US-joe-medium", "input": "Hi.",
+                                                              "response_format": "pcm"})
+            assert pcm.status_code == 200 and pcm.headers["content-type"].startswith("audio/pcm") and pcm.content

@@ -20,7 +20,18 @@ from quart import Blueprint, Response, current_app, request
 
 from blazar import audio_models
 from blazar.pcm import pcm_to_wav
-from dialects.edge import Refusal, acting_for, forward, json_response, owner, refuse, residents, viewer
+from dialects.edge import (
+    Refusal,
+    acting_for,
+    engine_failure,
+    forward,
+    json_response,
+    owner,
+    refuse,
+    remote_of,
+    residents,
+    viewer,
+)
 from dialects.wire import RequestError, decode_object
 from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply
 from supervisors.jobs import JobContext, JobFailed
@@ -329,6 +340,8 @@ async def speech():
     try:
         body = decode_object(await request.get_data())
         speech_request = t.check_speech(body)
+        if remote_of(services, str(body.get("model") or "")) is not None:
+            return await _remote_speech(services, body)
         voice = await speech_voice(services, body)
         fmt, stream = speech_request["format"], speech_request["stream"]
         if fmt in t.LOSSY:
@@ -356,6 +369,26 @@ async def speech():
         return refuse(error)
     streamed.timeout = None
     return streamed
+
+
+async def _remote_speech(services: Any, body: dict[str, Any]) -> Response:
+    """`peer:voice`: the request goes to the peer's /v1/audio/speech as it came (the voice renamed), and its
+    audio comes back as the peer sends it, byte for byte."""
+    upstream = UpstreamCall(path="/v1/audio/speech", body=msgspec.json.encode(body), stream=True)
+    result = await forward(services, body["model"], upstream, request.headers)
+    if isinstance(result, UpstreamReply):
+        raise engine_failure(result)
+
+    async def relay() -> AsyncIterator[bytes]:
+        with result.chunks:
+            async for item in result.chunks:
+                if isinstance(item, StreamFailure):
+                    return  # audio has no error frame: the body ends short
+                yield item.data
+
+    response = Response(relay(), content_type=result.content_type)
+    response.timeout = None
+    return response
 
 
 async def _pcm_chunks(stream: Any) -> AsyncIterator[bytes]:
