@@ -376,9 +376,10 @@ async def rpc_diagnosis(handle: Handle, refusal: Refusal) -> Refusal:
     down = [(address, why) for address, why in await probe_rpc_workers(workers) if why]
     if not down:
         return refusal
-    named = "; ".join(f"{address} ({why})" for address, why in down)
+    named = ", ".join(f"{address} ({why})" for address, why in down)
+    first_line = refusal.message.splitlines()[0] if refusal.message else ""
     return Refusal(502, f"{handle.key} spreads its layers over llama.cpp RPC workers, and {named} does not "
-                   f"answer, so its engine failed: {refusal.message}", code="rpc_worker_down",
+                   f"answer; the engine stopped because of it ({first_line.rstrip(':')})", code="rpc_worker_down",
                    hint="start the worker again on its host (blazar rpc serve --port PORT), or take it out of the "
                    "model's rpc list in config.toml; GET /api/fabric shows every worker")
 

@@ -48,8 +48,10 @@ async def probe_rpc_workers(addresses: Iterable[str], within: float = 2.0) -> li
             results[address] = ""
         except trio.TooSlowError:
             results[address] = f"no answer within {within:g}s"
-        except OSError as error:
-            results[address] = error.strerror or type(error).__name__
+        except OSError as error:  # trio's "all attempts to connect failed" carries the causes
+            causes = [c for c in (error.__cause__, *getattr(error.__cause__, "exceptions", ())) if c is not None]
+            reason = next((c.strerror for c in causes if getattr(c, "strerror", None)), None)
+            results[address] = (reason or error.strerror or str(error) or type(error).__name__).lower()
 
     async with trio.open_nursery() as nursery:
         for address in addresses:

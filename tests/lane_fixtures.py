@@ -17,8 +17,9 @@ from blazar.store import Store
 FAKE_ENGINE = Path(__file__).parent / "engines" / "fake_llama_server.py"
 
 
-def register_engine(home: Paths, binary: Path, tag: str) -> None:
-    Roster(home).add(EngineEntry(tag=tag, binary=str(binary), sha256="0" * 64, created_at=time.time(), pseudo=True))
+def register_engine(home: Paths, binary: Path, tag: str, tools: dict[str, str] | None = None) -> None:
+    Roster(home).add(EngineEntry(tag=tag, binary=str(binary), sha256="0" * 64, created_at=time.time(), pseudo=True,
+                                 tools=tools or {}))
 
 
 def add_shared_model(home: Paths, shared_home: Paths, name: str = "smollm2:135m") -> None:

@@ -17,7 +17,7 @@ SECTIONS: list[tuple[str, list[str]]] = [
     ("Model management", ["pull", "import", "cp", "create", "rm", "list", "show", "quantize", "mmproj",
                           "search", "fit", "lora"]),
     ("Tuning & benchmarks", ["bench", "tune", "drafts", "coreside"]),
-    ("Engine & config", ["engine", "config", "keys", "whisper", "doctor", "migrate", "snapshot", "upgrade",
+    ("Engine & config", ["engine", "rpc", "config", "keys", "whisper", "doctor", "migrate", "snapshot", "upgrade",
                          "completions"]),
     ("Observability", ["why", "watch"]),
     ("Refused by design (no cloud services)", ["push", "signin", "signout", "login", "logout"]),
@@ -120,6 +120,7 @@ def _register() -> None:
         jobs_cmd,
         keys_cmd,
         models_cmd,
+        rpc_cmd,
         serve_cmd,
         whisper_cmd,
     )
@@ -128,7 +129,7 @@ def _register() -> None:
                     completions.completions, engine_cmd.engine, models_cmd.pull, models_cmd.import_,
                     models_cmd.cp, models_cmd.create, models_cmd.rm, models_cmd.list_, models_cmd.show,
                     models_cmd.mmproj, models_cmd.search, models_cmd.fit, chat_cmd.run, chat_cmd.ps,
-                    bench_cmd.bench, keys_cmd.keys, keys_cmd.migrate, jobs_cmd.jobs, whisper_cmd.whisper):
+                    bench_cmd.bench, keys_cmd.keys, keys_cmd.migrate, jobs_cmd.jobs, whisper_cmd.whisper, rpc_cmd.rpc):
         cli.add_command(command)
     for name, (purpose, waits_for) in PENDING.items():
         if name not in cli.commands:
