@@ -80,7 +80,7 @@ def _check_remotes(config: Any, source: str) -> None:
         if url.path.rstrip("/").endswith("/v1"):
             raise ConfigProblem(f"{where} ({remote.name}): url {remote.url!r} ends in /v1; Blazar adds the API "
                                 "paths itself", fix=f"url = \"{remote.url.rstrip('/')[:-3]}\"")
-        if remote.key_env and not ENV_NAME.match(remote.key_env):
+        if remote.key_env and (not ENV_NAME.match(remote.key_env) or remote.key_env.startswith(("plm_", "sk_"))):
             raise ConfigProblem(f"{where} ({remote.name}): key_env {remote.key_env!r} is not an environment variable "
                                 "name; it names the variable that holds the key, never the key itself",
                                 fix='e.g. key_env = "BLAZAR_DEN_KEY", then export BLAZAR_DEN_KEY=... before serve')

@@ -129,6 +129,7 @@ async def test_bound_beyond_loopback_any_host_is_served_unless_allowed_hosts_nar
 # here; the behavioural test below calls each one and checks that nothing changed.
 READ_ONLY_GETS = {
     "/.well-known/blazar", "/api/benchmarks", "/api/capacity", "/api/events", "/api/explain/{model}", "/api/fabric",
+    "/api/failover", "/api/failover/{chain}", "/api/route/{model}",
     "/api/keys", "/api/ps", "/api/quantiles", "/api/tags", "/api/version", "/api/watch", "/health", "/healthz",
     "/metrics", "/props", "/slots", "/ui", "/v1/models", "/v1/requests", "/v1/requests/{card_id}",
     "/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/events", "/v1/jobs/{job_id}/artifact",

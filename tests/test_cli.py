@@ -43,6 +43,7 @@ JSON_ARGS: dict[tuple[str, ...], list[str]] = {
 
 # --json commands whose purity is asserted where their scenario lives.
 COVERED_ELSEWHERE = {
+    ("rpc", "serve"): "tests/test_rpc.py::test_a_model_spread_over_two_workers_answers_like_the_local_one",
     ("engine", "build"): "tests/test_engines.py::test_build_cpu_produces_a_llama_server_that_answers_version",
     ("pull",): "tests/test_models.py::test_pull_picks_the_preferred_quant_and_records_the_hash",
     ("search",): "tests/test_models.py::test_search_filters_by_quant",

@@ -157,3 +157,80 @@ def test_parse_duration(value, seconds):
 
 def test_defaults_are_valid():
     assert ConfigFile(Path("/nonexistent/config.toml")).load({}) == Config()
+
+
+FABRIC_FILE = """\
+[[remotes]]
+name = "den"
+url = "http://192.168.1.20:11434"
+kind = "blazar"
+key_env = "BLAZAR_DEN_KEY"
+
+[[failover]]
+name = "chat"
+alias = "chat-any"
+targets = ["remote:den:qwen3:8b", "local:smollm2:135m"]
+sticky = true
+bench_secs = 60
+
+[[rpc_workers]]
+name = "nas"
+address = "192.168.1.30:50052"
+
+[models."smollm2:135m"]
+rpc = ["nas", "192.168.1.31:50052"]
+"""
+
+
+def test_the_issue_s_fabric_config_reads_as_written(tmp_path: Path):
+    path = tmp_path / "config.toml"
+    path.write_text(FABRIC_FILE)
+    config = ConfigFile(path).load(environ={})
+    assert config.remotes[0].name == "den" and config.remotes[0].kind == "blazar"
+    assert config.failover[0].targets == ["remote:den:qwen3:8b", "local:smollm2:135m"] and config.failover[0].sticky
+    from blazar.fabric_config import remote_target, rpc_addresses
+
+    assert rpc_addresses(config, "smollm2:135m") == ("192.168.1.30:50052", "192.168.1.31:50052")
+    assert remote_target(config.remotes, "den:qwen3:8b")[1] == "qwen3:8b"
+    assert remote_target(config.remotes, "smollm2:135m") is None  # no remote is called smollm2: a local name
+
+
+@pytest.mark.parametrize("change, message", [
+    ('name = "den"', None),
+    ('name = "d:en"', "no colon"),
+    ('name = "local"', "not local or remote"),
+    ('url = "http://192.168.1.20:11434/v1"', "ends in /v1"),
+    ('url = "192.168.1.20:11434"', "http:// or https://"),
+    ('key_env = "plm_0123456789abcdef"', "never the key itself"),
+    ('kind = "vllm"', "kind"),
+])
+def test_a_bad_remote_is_refused_naming_the_field(tmp_path: Path, change: str, message: str | None):
+    path = tmp_path / "config.toml"
+    key = change.split(" = ")[0]
+    lines = [change if line.startswith(f"{key} = ") and "remotes" not in line else line
+             for line in FABRIC_FILE.split("[[failover]]")[0].splitlines()]
+    path.write_text("\n".join(lines) + "\n")
+    if message is None:
+        ConfigFile(path).load(environ={})
+        return
+    with pytest.raises(ConfigError, match=message):
+        ConfigFile(path).load(environ={})
+
+
+@pytest.mark.parametrize("text, message", [
+    (FABRIC_FILE.replace("remote:den:qwen3:8b", "remote:cellar:qwen3:8b"), "names remote 'cellar', which has no"),
+    (FABRIC_FILE.replace("remote:den:qwen3:8b", "den:qwen3:8b"), "local:<model> or remote:<peer>:<model>"),
+    (FABRIC_FILE.replace('alias = "chat-any"', 'alias = "den:chat"'), "would address that remote"),
+    (FABRIC_FILE.replace('address = "192.168.1.30:50052"', 'address = "nas.lan"'), "must be host:port"),
+    (FABRIC_FILE.replace('rpc = ["nas",', 'rpc = ["attic",'), "neither host:port nor an \\[\\[rpc_workers\\]\\] name"),
+])
+def test_bad_chains_and_workers_are_refused(tmp_path: Path, text: str, message: str):
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        ConfigFile(path).load(environ={})
+
+
+def test_fabric_tables_are_not_set_through_config(config_file: ConfigFile):
+    with pytest.raises(ConfigError, match=r"\[\[remotes\]\] tables"):
+        config_file.mutate(lambda d: set_in_document(d, ["remotes"], []))

@@ -38,19 +38,24 @@ class RpcWorkerProcess:
             [BLAZAR, "rpc", "serve", "--port", str(self.port), "--json"], stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, env={**os.environ, "BLAZAR_HOME": str(self.home.home)},
             start_new_session=True)
-        buffer = b""
+        self.output = b""
         with trio.fail_after(30):
-            while b'"serving"' not in buffer:
+            while b'"serving"' not in self.output:
                 chunk = await self.process.stdout.receive_some()
                 assert chunk, f"blazar rpc serve exited: {self.process.returncode}"
-                buffer += chunk
-        assert json.loads(buffer.splitlines()[0])["address"] == self.address
+                self.output += chunk
+        assert json.loads(self.output.splitlines()[0]) == {"event": "serving", "address": self.address,
+                                                           "pid": json.loads(self.output)["pid"]}
 
     async def stop(self) -> None:
         if self.process is not None and self.process.returncode is None:
             self.process.send_signal(signal.SIGTERM)  # the supervisor stops its rpc-server child, then exits
             with trio.fail_after(20):
+                while chunk := await self.process.stdout.receive_some():
+                    self.output += chunk
                 assert await self.process.wait() == 0
+            events = [json.loads(line) for line in self.output.splitlines()]  # --json: pure JSONL on stdout
+            assert [e["event"] for e in events] == ["serving", "stopped"]
 
 
 @pytest.fixture
