@@ -10,7 +10,7 @@ Kinds:
   routes carry the model in `X-Blazar-Model`); its `/api/capacity` and `/api/ps` feed the capacity cache,
   and it has `/api/warm`.
 - `openai`: an OpenAI-compatible server: `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`,
-  `/v1/audio/speech`.
+  and the three `/v1/audio/...` routes.
 - `ollama`: an Ollama server, through its OpenAI-compatible `/v1/...` routes (the three text ones).
 """
 
@@ -24,7 +24,8 @@ from .llamacpp import LlamaCppLane, engine_error_text
 
 KINDS = ("blazar", "openai", "ollama")
 OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
-SERVED_PATHS = {"openai": OPENAI_PATHS | {"/v1/audio/speech"}, "ollama": OPENAI_PATHS}
+AUDIO_PATHS = frozenset({"/v1/audio/speech", "/v1/audio/transcriptions", "/v1/audio/translations"})
+SERVED_PATHS = {"openai": OPENAI_PATHS | AUDIO_PATHS, "ollama": OPENAI_PATHS}
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/completion"})
 # Forwarded to the peer as they came: the trace spans the hop, the priority keeps its tier there.
 PASSED_HEADERS = ("x-blazar-trace-id", "x-blazar-priority", "x-blazar-deadline-ms")

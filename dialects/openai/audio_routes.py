@@ -110,6 +110,8 @@ async def _speech_to_text(task: str):
     try:
         fields, audio, filename = await _form()
         transcription = t.check_transcription(fields, task)
+        if transcription.model and remote_of(services, transcription.model) is not None:
+            return await _remote_speech_to_text(services, task, transcription, fields, audio, filename)
         model = whisper_model(services, transcription.model)
         entry = audio_models.CATALOG.get(model)
         if task == "translate" and entry is not None and entry.language == "en":
@@ -369,6 +371,27 @@ async def speech():
         return refuse(error)
     streamed.timeout = None
     return streamed
+
+
+async def _remote_speech_to_text(services: Any, task: str, transcription: t.TranscriptionRequest,
+                                 fields: dict[str, list[str]], audio: bytes, filename: str) -> Response:
+    """`peer:model`: the upload goes to the peer as a multipart form again (the model renamed, `stream` left
+    out: progressive transcription is a local lane feature), and its answer comes back as it is."""
+    import httpx
+
+    if transcription.run_async:
+        raise Refusal(400, f"async transcription jobs run on this gateway's own whisper; {transcription.model} is on "
+                      "a remote", hint="send it without async=true (it is answered when done), or to the peer itself")
+    peer, name = remote_of(services, transcription.model)
+    form = {key: values for key, values in fields.items() if key not in ("stream", "model")}
+    path = "/v1/audio/transcriptions" if task == "transcribe" else "/v1/audio/translations"
+    upload = httpx.Request("POST", f"http://{peer}{path}", data={**form, "model": name},
+                           files={"file": (filename, audio)})
+    result = await forward(services, transcription.model, UpstreamCall(
+        path=path, body=upload.read(), content_type=upload.headers["content-type"]), request.headers)
+    if result.status >= 400:
+        raise engine_failure(result)
+    return Response(result.body, status=result.status, content_type=result.content_type)
 
 
 async def _remote_speech(services: Any, body: dict[str, Any]) -> Response:
