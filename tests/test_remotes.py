@@ -315,3 +315,24 @@ async def test_speech_from_a_voice_on_a_peer(gateway_a):
             queued = await client.post("/v1/audio/transcriptions", data={"model": "den:tiny.en", "async": "true"},
                                        files={"file": ("den.wav", reply.content, "audio/wav")})
             assert queued.status_code == 400 and "without async=true" in queued.json()["error"]["message"]
+
+
+async def test_the_console_shows_the_peers(gateway_a, tmp_path):
+    from tests.test_console import CHROMIUM_FLAGS, chromium
+
+    async with gateway_a.client() as client:
+        with trio.fail_after(60):
+            while True:  # both probes have answered: den with its capacity, attic refused
+                peers = {p["name"]: p for p in (await client.get("/api/fabric")).json()["remotes"]}
+                if peers["den"]["capacity"] is not None and peers["attic"]["reach"] == "unreachable":
+                    break
+                await trio.sleep(0.2)
+    with trio.fail_after(120):
+        dom = await trio.run_process(
+            [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=8000",
+             "--dump-dom", f"{gateway_a.url}/ui"], capture_stdout=True, capture_stderr=True, check=False)
+    html = dom.stdout.decode()
+    assert 'data-loaded="yes"' in html, dom.stderr.decode()[-2000:]
+    compute = html[html.index("<h2>Remote peers</h2>"):]
+    assert "<td>den</td><td>blazar</td><td>reachable</td><td>closed</td>" in compute
+    assert "<td>attic</td><td>blazar</td><td>unreachable</td>" in compute and "did not accept a connection" in compute
