@@ -233,6 +233,20 @@ async def test_a_wrong_peer_key_is_a_teaching_502(nursery, tmp_path, den):
         assert reply.status_code == 503 and "$DEN_KEY, which is not set" in reply.json()["error"]
 
 
+async def test_a_scoped_key_reaches_only_the_remote_models_it_lists(nursery, tmp_path, den):
+    secret = "plm_" + "5" * 32
+    gateway = await start_gateway(
+        nursery, Paths(tmp_path / "scoped").ensure(), environ={"BLAZAR_DEN_KEY": PEER_KEY},
+        remotes=[RemoteEntry(name="den", url=den.url, key_env="BLAZAR_DEN_KEY")],
+        keys=[KeyEntry(name="kid", secret=secret, models=[REMOTE_MODEL])])
+    body = {"messages": PROMPT, "max_tokens": 1}
+    async with gateway.client(timeout=60, headers={"authorization": f"Bearer {secret}"}) as client:
+        with trio.fail_after(60):
+            assert (await client.post("/v1/chat/completions", json={**body, "model": REMOTE_MODEL})).status_code == 200
+            local = await client.post("/v1/chat/completions", json={**body, "model": "smollm2:135m"})
+            assert local.status_code == 403 and "den:smollm2:135m" in local.json()["error"]["message"]
+
+
 # ---------------------------------------------------------------- a peer dying mid-stream
 
 
