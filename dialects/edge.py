@@ -20,7 +20,7 @@ from quart import Response
 from blazar.admission import HeaderError, schedule
 from blazar.errors import error_bytes
 from blazar.fabric_config import parse_failover_target, remote_target
-from dialects.wire import RequestError, check_choices
+from dialects.wire import RequestError, check_choices, decode_object
 from lanes.base import PlanRefused
 from lanes.remote import HOPS_HEADER, MAX_HOPS, PASSED_HEADERS
 from lanes.rpc import probe_rpc_workers
@@ -74,6 +74,16 @@ def refuse(error: Exception) -> Response:
         error = Refusal(getattr(error, "status", 400), getattr(error, "message", str(error)),
                         hint=getattr(error, "fix", ""))
     return error.response(request.path)
+
+
+async def json_body() -> dict[str, Any]:
+    """The current request's body as a JSON object, or a teaching 400 Refusal."""
+    from quart import request
+
+    try:
+        return decode_object(await request.get_data())
+    except RequestError as error:
+        raise Refusal(400, error.message) from None
 
 
 def owner(scope: Any = None) -> str | None:

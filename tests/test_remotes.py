@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import anthropic
-import httpx
 import ollama
 import openai
 import pytest
@@ -280,8 +279,8 @@ class PeerThatDiesMidStream:
             await stream.aclose()
             return
         event = b"data: " + json.dumps(self.CHUNK).encode() + b"\n\n"
-        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-                              + f"{len(event):x}\r\n".encode() + event + b"\r\n")
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        await stream.send_all(head + f"{len(event):x}\r\n".encode() + event + b"\r\n")
         await stream.aclose()  # killed: no terminating chunk
 
 

@@ -9,26 +9,20 @@ import msgspec
 from quart import Blueprint, Response, current_app, request
 
 from dialects.chat_core import StreamBroken
-from dialects.edge import Refusal, count_input_tokens, refuse
+from dialects.edge import Refusal, count_input_tokens, json_body, refuse
 from dialects.session import chat_session
-from dialects.wire import RequestError, decode_object
+from dialects.wire import RequestError
 
 from . import translate as t
 
 blueprint = Blueprint("anthropic", __name__)
 
 
-async def _body() -> dict[str, Any]:
-    try:
-        return decode_object(await request.get_data())
-    except RequestError as error:
-        raise Refusal(400, error.message) from None
-
 
 @blueprint.post("/v1/messages")
 async def messages():
     try:
-        body = await _body()
+        body = await json_body()
         canonical = t.to_openai(body)
         result = await chat_session(current_app.services, canonical, request.headers)
     except (RequestError, Refusal) as error:
@@ -123,7 +117,7 @@ async def _events(model: str, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIte
 @blueprint.post("/v1/messages/count_tokens")
 async def count_tokens():
     try:
-        body = await _body()
+        body = await json_body()
         canonical = t.to_openai({**body, "max_tokens": body.get("max_tokens") or 1})
         template = {"messages": canonical["messages"], **({"tools": canonical["tools"]} if "tools" in canonical
                                                           else {})}

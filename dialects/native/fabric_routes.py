@@ -11,13 +11,14 @@ from typing import Any
 
 import msgspec
 import trio
-from quart import Blueprint, current_app, request
+from quart import Blueprint, current_app
 
 from blazar.fabric_config import parse_failover_target
 from dialects.edge import (
     Refusal,
     admit_request,
     ensure_model,
+    json_body,
     json_response,
     refuse,
     remote_of,
@@ -25,7 +26,7 @@ from dialects.edge import (
     residents,
     submit,
 )
-from dialects.wire import RequestError, decode_object, require_model
+from dialects.wire import RequestError, require_model
 from supervisors.actor import ActorError, ActorUnavailable, tell
 from supervisors.instance import UpstreamCall
 from supervisors.lane import Ensure
@@ -37,12 +38,6 @@ REPLICATE_DEFAULT_SECS = 300
 REPLICATE_MAX_SECS = 900
 
 
-async def _body() -> dict[str, Any]:
-    try:
-        return decode_object(await request.get_data())
-    except RequestError as error:
-        raise Refusal(400, error.message) from None
-
 
 @blueprint.post("/api/warm")
 async def warm():
@@ -51,7 +46,7 @@ async def warm():
     traffic; the readiness check queues at low priority."""
     services = current_app.services
     try:
-        body = await _body()
+        body = await json_body()
         model = require_model(body)
         wait = body.get("wait", False)
         if not isinstance(wait, bool):
@@ -81,7 +76,7 @@ async def replicate():
     """Warm a model on peers (named, or every remote), concurrently, each bounded; results verbatim."""
     services = current_app.services
     try:
-        body = await _body()
+        body = await json_body()
         model = require_model(body)
         peers = _peers_arg(services, body.get("peers"))
         timeout = body.get("timeout_secs", REPLICATE_DEFAULT_SECS)
@@ -264,7 +259,7 @@ async def failover_show(chain: str):
 @blueprint.post("/api/failover/<chain>/pin")
 async def failover_pin(chain: str):
     try:
-        body = await _body()
+        body = await json_body()
     except Refusal as error:
         return refuse(error)
     index = body.get("index")

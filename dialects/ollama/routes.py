@@ -19,6 +19,7 @@ from dialects.edge import (
     Refusal,
     ensure_model,
     forward,
+    json_body,
     owner,
     refuse,
     require_local,
@@ -27,7 +28,7 @@ from dialects.edge import (
     unload_anywhere,
 )
 from dialects.session import RequestSession, chat_session, flight_key
-from dialects.wire import RequestError, decode_object
+from dialects.wire import RequestError
 from supervisors.actor import ActorError
 from supervisors.instance import UpstreamCall
 from supervisors.jobs import JobContext, JobFailed
@@ -89,13 +90,6 @@ def _error(status: int, message: str) -> Response:
     return refuse(Refusal(status, message))
 
 
-async def _body() -> dict[str, Any]:
-    raw = await request.get_data()
-    try:
-        return decode_object(raw)
-    except RequestError as error:
-        raise Refusal(400, error.message) from None
-
 
 def _keep_alive(body: dict[str, Any]) -> float | None:
     if "keep_alive" not in body or body["keep_alive"] is None:
@@ -142,7 +136,7 @@ async def tags():
 @blueprint.post("/api/show")
 async def show():
     try:
-        body = await _body()
+        body = await json_body()
         name = t.require_model(body)
     except (RequestError, Refusal) as error:
         return refuse(error)
@@ -171,7 +165,7 @@ async def show():
 @blueprint.post("/api/delete")
 async def delete():
     try:
-        body = await _body()
+        body = await json_body()
         await current_app.services.registry.delete_model(t.require_model(body))
     except (RequestError, Refusal) as error:
         return refuse(error)
@@ -183,7 +177,7 @@ async def delete():
 @blueprint.post("/api/copy")
 async def copy():
     try:
-        body = await _body()
+        body = await json_body()
         source, destination = body.get("source"), body.get("destination")
         if not isinstance(source, str) or not isinstance(destination, str):
             raise RequestError("`source` and `destination` are required model names")
@@ -237,7 +231,7 @@ async def pull():
     """A mailbox: the pull runs as a job (the registry actor does the work); this route relays its progress."""
     services = current_app.services
     try:
-        body = await _body()
+        body = await json_body()
         target = t.require_model(body)
         job_id, progress = await services.jobs.create_watched("pull", model=target, key=owner(),
                                                               request={"target": target})
@@ -282,7 +276,7 @@ async def _chat_like(kind: str):
     services = current_app.services
     started = time.perf_counter()
     try:
-        body = await _body()
+        body = await json_body()
         options, unused = _read_request(kind, body)
         num_ctx, spawn = options.num_ctx, options.spawn
         if kind == "chat":
@@ -434,7 +428,7 @@ async def _embed(legacy: bool):
     services = current_app.services
     started = time.perf_counter()
     try:
-        body = await _body()
+        body = await json_body()
         model = t.require_model(body)
         inputs = body.get("prompt") if legacy else body.get("input")
         if isinstance(inputs, str):
@@ -472,7 +466,7 @@ async def embeddings():
 @blueprint.post("/api/rerank")
 async def rerank():
     try:
-        body = await _body()
+        body = await json_body()
         model = t.require_model(body)
         reply = await forward(current_app.services, model, UpstreamCall(
             path="/v1/rerank", body=msgspec.json.encode(body)), request.headers)

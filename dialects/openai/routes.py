@@ -10,9 +10,9 @@ import trio
 from quart import Blueprint, Response, current_app, request
 
 from dialects.chat_core import ChatResult, StreamBroken, completion_result, run_chat
-from dialects.edge import Refusal, count_input_tokens, forward, json_reply, refuse, residents
+from dialects.edge import Refusal, count_input_tokens, forward, json_body, json_reply, refuse, residents
 from dialects.session import RequestSession, flight_key
-from dialects.wire import ChatStreamRewriter, RequestError, check_choices, decode_object, require_model
+from dialects.wire import ChatStreamRewriter, RequestError, check_choices, require_model
 from lanes import lane_for
 from supervisors.instance import UpstreamCall
 
@@ -25,12 +25,6 @@ def openai_error_frame(message: str) -> bytes:
     payload = {"error": {"message": message, "type": "engine_error", "code": 502}}
     return b"data: " + msgspec.json.encode(payload) + b"\n\ndata: [DONE]\n\n"
 
-
-async def _body() -> dict[str, Any]:
-    try:
-        return decode_object(await request.get_data())
-    except RequestError as error:
-        raise Refusal(400, error.message) from None
 
 
 def interrupt_frame(card_id: str) -> bytes:
@@ -49,7 +43,7 @@ async def chat_completions():
     """A mailbox: validate, then the canonical chat call inside a request session; relay its answer."""
     services = current_app.services
     try:
-        body = await _body()
+        body = await json_body()
         model = require_model(body)
         check_chat(body)
         choices = check_choices(body)
@@ -96,7 +90,7 @@ def _chunk_frames(chunks: AsyncIterator[dict[str, Any]], headers: dict[str, str]
 @blueprint.post("/v1/chat/completions/<completion_id>")
 async def update_completion(completion_id: str):
     try:
-        body = await _body()
+        body = await json_body()
         metadata = check_metadata(body, required=True)
     except (RequestError, Refusal) as error:
         return refuse(error)
@@ -107,7 +101,7 @@ async def update_completion(completion_id: str):
 async def _passthrough(path: str):
     """Embeddings and rerank: one engine answer, relayed as it is (not a generation, so no card)."""
     try:
-        body = await _body()
+        body = await json_body()
         model = require_model(body)
         result = await forward(current_app.services, model, UpstreamCall(path=path, body=msgspec.json.encode(body)),
                                request.headers)
@@ -121,7 +115,7 @@ async def completions():
     """Text completion inside a request session, relayed as the engine's bytes when streamed."""
     services = current_app.services
     try:
-        body = await _body()
+        body = await json_body()
         model = require_model(body)
         choices = check_choices(body) if "n" in body else 1
         stream = body.get("stream") is True
@@ -156,7 +150,7 @@ async def rerank():
 @blueprint.post("/v1/chat/completions/input_tokens")
 async def chat_input_tokens():
     try:
-        body = await _body()
+        body = await json_body()
         model = require_model(body)
         check_chat(body)
         return await _count_tokens(model, {"messages": body["messages"], **(
@@ -169,7 +163,7 @@ async def chat_input_tokens():
 @blueprint.post("/responses/input_tokens")
 async def responses_input_tokens():
     try:
-        body = await _body()
+        body = await json_body()
         model = require_model(body)
         items = body.get("input")
         if isinstance(items, str):
