@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from blazar.config import ConfigError, ConfigFile
+from blazar.config import Config, ConfigError, ConfigFile
 from blazar.paths import Paths
 from blazar.sysinfo import meminfo
 
@@ -176,6 +176,7 @@ def channel_checks(paths: Paths, live_keys: bool | None = None) -> list[Check]:
         cors = Check(group="CHANNELS", check="cors", status="ok",
                      detail=f"browser origins allowed: {', '.join(config.cors_origins) or 'none'}; others get 403")
     return [
+        *fabric_checks(config),
         Check(group="CHANNELS", check="config", status="ok", detail=f"valid: {source}"),
         Check(group="CHANNELS", check="bind", status="ok",
               detail=f"{config.bind}: OpenAI /v1, Ollama /api and Anthropic /v1/messages on one port"),
@@ -186,6 +187,52 @@ def channel_checks(paths: Paths, live_keys: bool | None = None) -> list[Check]:
               + (f", plus {', '.join(config.allowed_hosts)}" if config.allowed_hosts else "")
               + " (DNS-rebinding guard)"),
     ]
+
+
+def fabric_checks(config: Config, environ: dict[str, str] | None = None) -> list[Check]:
+    """Each [[remotes]] peer (its key variable, and whether its health path answers within 3 s) and each
+    llama.cpp RPC worker (a TCP connect within 2 s), as `blazar serve` would find them now."""
+    import socket
+
+    import httpx
+
+    from blazar.fabric_config import PROBE_PATHS, rpc_addresses, split_host_port
+
+    environ = dict(os.environ if environ is None else environ)
+    rows: list[Check] = []
+    for remote in config.remotes:
+        name = f"remote:{remote.name}"
+        if remote.key_env and not environ.get(remote.key_env):
+            rows.append(Check(group="CHANNELS", check=name, status="warn",
+                              detail=f"{remote.url}: ${remote.key_env} is not set, so requests to it are refused",
+                              fix=f"export {remote.key_env}=<the peer's key> before blazar serve"))
+            continue
+        headers = {"authorization": f"Bearer {environ[remote.key_env]}"} if remote.key_env else {}
+        try:
+            url = remote.url.rstrip("/") + PROBE_PATHS[remote.kind]
+            status = httpx.get(url, headers=headers, timeout=3).status_code
+            problem = None if status < 400 else f"its health path answered {status}"
+        except httpx.HTTPError as error:
+            problem = f"unreachable ({type(error).__name__})"
+        rows.append(Check(group="CHANNELS", check=name, status="warn" if problem else "ok",
+                          detail=f"{remote.kind} peer {remote.url}: {problem or 'answers'}",
+                          fix="check the url and that the peer runs; GET /api/route/<peer>:<model> explains"
+                          if problem else ""))
+    workers = {w.address: w.name for w in config.rpc_workers}
+    for model in config.models:
+        for address in rpc_addresses(config, model):
+            workers.setdefault(address, address)
+    for address, label in workers.items():
+        host, port = split_host_port(address)
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+            problem = None
+        except OSError as error:
+            problem = error.strerror or type(error).__name__
+        rows.append(Check(group="CHANNELS", check=f"rpc:{label}", status="warn" if problem else "ok",
+                          detail=f"llama.cpp RPC worker {address}: {problem or 'accepts connections'}",
+                          fix="on that host: blazar rpc serve --port PORT" if problem else ""))
+    return rows
 
 
 def runtime_checks(paths: Paths, probe_health: Callable[[str], str | None]) -> list[Check]:

@@ -15,6 +15,8 @@ PEER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 RESERVED_PEER_NAMES = ("local", "remote", "whisper")  # failover target prefixes; the whisper lane's
 HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# What tells a peer is up, per kind (cheap, read-only, no model load).
+PROBE_PATHS = {"blazar": "/api/capacity", "openai": "/v1/models", "ollama": "/api/version"}
 
 
 class ConfigProblem(Exception):

@@ -20,7 +20,11 @@ from typing import Any
 
 import msgspec
 
+from blazar.fabric_config import PROBE_PATHS
+
 from .llamacpp import LlamaCppLane, engine_error_text
+
+__all__ = ["PROBE_PATHS"]
 
 KINDS = ("blazar", "openai", "ollama")
 OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
@@ -31,8 +35,6 @@ GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/compl
 PASSED_HEADERS = ("x-blazar-trace-id", "x-blazar-priority", "x-blazar-deadline-ms")
 HOPS_HEADER = "x-blazar-hops"
 MAX_HOPS = 4  # A -> B -> A loops end here with a 508
-# What tells a peer is up, per kind (cheap, read-only, no model load).
-PROBE_PATHS = {"blazar": "/api/capacity", "openai": "/v1/models", "ollama": "/api/version"}
 
 _COUNTER = LlamaCppLane()  # OpenAI-shaped answers carry the usage the llama.cpp lane already reads
 

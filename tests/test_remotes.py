@@ -246,6 +246,24 @@ async def test_a_scoped_key_reaches_only_the_remote_models_it_lists(nursery, tmp
             assert local.status_code == 403 and "den:smollm2:135m" in local.json()["error"]["message"]
 
 
+async def test_doctor_checks_each_peer_and_worker(den):
+    from blazar.config import Config, ModelSettings
+    from blazar.doctor import fabric_checks
+
+    config = Config(remotes=[RemoteEntry(name="den", url=den.url, key_env="DEN_KEY"),
+                             RemoteEntry(name="attic", url=closed_port_url()),
+                             RemoteEntry(name="shed", url=den.url, key_env="SHED_KEY")],
+                    models={"smollm2:135m": ModelSettings(rpc=[f"127.0.0.1:{free_port()}"])})
+    with trio.fail_after(30):
+        rows = await run(lambda: fabric_checks(config, {"DEN_KEY": PEER_KEY}))
+    by_name = {row.check: row for row in rows}
+    assert by_name["remote:den"].status == "ok"
+    assert by_name["remote:attic"].status == "warn" and "unreachable" in by_name["remote:attic"].detail
+    assert by_name["remote:shed"].status == "warn" and "$SHED_KEY is not set" in by_name["remote:shed"].detail
+    [worker] = [row for row in rows if row.check.startswith("rpc:")]
+    assert worker.status == "warn" and "blazar rpc serve" in worker.fix
+
+
 # ---------------------------------------------------------------- a peer dying mid-stream
 
 
