@@ -215,6 +215,29 @@ async def test_warm_and_replicate(gateway_a, den):
         assert bad.status_code == 400 and "`wait`" in bad.json()["error"]
 
 
+async def test_openai_and_ollama_kinds_speak_the_openai_routes_only(nursery, tmp_path, den):
+    """B serves OpenAI's and Ollama's health paths too, so it stands in for both kinds of server here."""
+    gateway = await start_gateway(
+        nursery, Paths(tmp_path / "kinds").ensure(), environ={"K": PEER_KEY},
+        remotes=[RemoteEntry(name="shop", url=den.url, kind="openai", key_env="K"),
+                 RemoteEntry(name="barn", url=den.url, kind="ollama", key_env="K")])
+    async with gateway.client(timeout=60) as client:
+        with trio.fail_after(120):
+            for peer in ("shop", "barn"):
+                reply = await client.post("/api/chat", json={"model": f"{peer}:smollm2:135m", "messages": PROMPT,
+                                                             "stream": False, "options": {"num_predict": 4}})
+                assert reply.status_code == 200 and reply.json()["message"]["content"], reply.text
+                assert reply.headers["x-blazar-remote"] == peer
+            native = await client.post("/tokenize", json={"content": "hi"},
+                                       headers={"x-blazar-model": "barn:smollm2:135m"})
+            assert native.status_code == 400 and "not served by an ollama peer" in native.text
+            replicated = (await client.post("/api/replicate", json={"model": "smollm2:135m"})).json()["results"]
+            assert [(r["peer"], r["status"]) for r in replicated] == [("shop", "skipped"), ("barn", "skipped")]
+            assert "has no /api/warm" in replicated[0]["reason"]
+            line = next(p for p in (await client.get("/api/fabric")).json()["remotes"] if p["name"] == "shop")
+            assert "capacity" not in line  # not a Blazar peer: no capacity summary, rather than an invented one
+
+
 async def test_a_wrong_peer_key_is_a_teaching_502(nursery, tmp_path, den):
     home = Paths(tmp_path / "b").ensure()
     gateway = await start_gateway(nursery, home, remotes=[RemoteEntry(name="den", url=den.url, key_env="DEN_KEY")],
