@@ -5,7 +5,8 @@ Lifecycle of a peer (only the loop changes state):
     reach:   unknown --probe or request answered--> reachable --connect error / timeout--> unreachable
              unreachable --probe or request answered--> reachable
     breaker: closed --3 failures in a row--> open --cooldown (breaker_cooldown_secs)--> half_open
-             half_open --the one probe request answers--> closed;  --it fails--> open (cooldown doubles, ≤ 15 min)
+             half_open: the next request is the one probe (others get 503 while it runs);
+             --it answers--> closed;  --it fails--> open (cooldown doubles, ≤ 15 min)
 
 - A request (`RemoteSubmit`) runs as a task in this actor's nursery: it goes to the peer over a
   keep-alive pool with the key read from `key_env`, and the caller gets the whole answer or a bounded
@@ -90,6 +91,7 @@ class RemotePeer(MessageLoop):
         self.breaker = "closed"
         self.open_until = 0.0
         self.opened = 0  # consecutive openings: the cooldown doubles with each
+        self.probing_request = False  # half_open: the one request that probes the peer is on its way
         self.in_flight = 0
         self.served = 0
         self.pool: httpcore.AsyncConnectionPool | None = None
@@ -132,16 +134,17 @@ class RemotePeer(MessageLoop):
                        "which is not set in the gateway's environment", status=503,
                        hint=f"export {self.entry.key_env}=<the peer's key> and restart blazar serve")
         now = trio.current_time()
-        if self.breaker == "open" and now < self.open_until:
+        self._tick(now)
+        if self.breaker == "open":
             wait = self.open_until - now
             return Err("remote_breaker_open", f"remote {self.entry.name}'s breaker is open after {self.failures} "
                        f"failures in a row (last: {self.last_error}); the next request after {wait:.0f}s probes it",
                        status=503, hint="wait, or see GET /api/route/<model>", retry_after=max(1.0, wait))
-        if self.breaker == "open":
-            self.breaker = "half_open"  # this request is the probe
-        elif self.breaker == "half_open":
-            return Err("remote_breaker_open", f"remote {self.entry.name} is being probed after failing "
-                       f"(last: {self.last_error})", status=503, hint="retry in a moment", retry_after=1.0)
+        if self.breaker == "half_open":
+            if self.probing_request:
+                return Err("remote_breaker_open", f"remote {self.entry.name} is being probed after failing "
+                           f"(last: {self.last_error})", status=503, hint="retry in a moment", retry_after=1.0)
+            self.probing_request = True  # this request is the probe
         try:
             path = lane.peer_path(self.entry.kind, message.call.path)
         except lane.NotServed as error:
@@ -150,6 +153,10 @@ class RemotePeer(MessageLoop):
         self.in_flight += 1
         self.nursery.start_soon(self._relay, message, path)
         return None
+
+    def _tick(self, now: float) -> None:
+        if self.breaker == "open" and now >= self.open_until:
+            self.breaker, self.probing_request = "half_open", False
 
     def _outcome(self, message: _Outcome) -> None:
         now = trio.current_time()
@@ -160,7 +167,7 @@ class RemotePeer(MessageLoop):
             if not message.probe:
                 self.served += 1
                 self.failures, self.opened = 0, 0
-                self.breaker = "closed"
+                self.breaker, self.probing_request = "closed", False
             return
         self.last_error, self.last_error_at = message.error, time.time()
         if message.probe:
@@ -169,7 +176,7 @@ class RemotePeer(MessageLoop):
         self.failures += 1
         if self.breaker == "half_open" or self.failures >= BREAKER_FAILURES:
             self.opened += 1
-            self.breaker = "open"
+            self.breaker, self.probing_request = "open", False
             self.open_until = now + min(BREAKER_MAX_SECS, self.cooldown_secs * 2 ** (self.opened - 1))
             log.warning("remote %s: breaker open (%s)", self.entry.name, message.error)
 
@@ -184,6 +191,7 @@ class RemotePeer(MessageLoop):
 
     def describe(self) -> dict[str, Any]:
         now = trio.current_time()
+        self._tick(now)
         row: dict[str, Any] = {
             "name": self.entry.name, "url": self.entry.url, "kind": self.entry.kind, "reach": self.reach,
             "breaker": self.breaker, "failures_in_a_row": self.failures, "in_flight": self.in_flight,

@@ -194,6 +194,33 @@ async def test_route_explains_each_decision(gateway_a):
             assert int(refused.headers["retry-after"]) > 0
 
 
+async def test_an_open_breaker_lets_one_probe_through_and_closes_when_the_peer_is_back(
+        nursery, tmp_path, shared_home, shared_engine):
+    port = free_port()
+    gateway = await start_gateway(nursery, Paths(tmp_path / "a").ensure(), breaker_cooldown_secs=1,
+                                  remotes=[RemoteEntry(name="late", url=f"http://127.0.0.1:{port}")])
+    body = {"model": "late:smollm2:135m", "messages": PROMPT, "max_tokens": 1}
+    async with gateway.client(timeout=60) as client:
+        with trio.fail_after(120):
+            for _ in range(3):
+                assert (await client.post("/v1/chat/completions", json=body)).status_code == 502
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 503  # open
+            home = Paths(tmp_path / "late").ensure()  # the peer comes up on the port it was configured with
+            register_engine(home, shared_engine.binary, shared_engine.tag)
+            add_shared_model(home, shared_home)
+            await start_gateway(nursery, home, bind=f"127.0.0.1:{port}")
+            while True:  # the cooldown is over once the route explainer says a request would go there
+                card = (await client.get("/api/route/late:smollm2:135m")).json()
+                if card["decision"] != "none":
+                    break
+                await trio.sleep(0.1)
+            assert card["remote"]["breaker"] == "half_open" and "the one probe" in card["reason"]
+            probe = await client.post("/v1/chat/completions", json=body)
+            assert probe.status_code == 200, probe.text
+            peer = (await client.get("/api/fabric")).json()["remotes"][0]
+            assert peer["breaker"] == "closed" and peer["failures_in_a_row"] == 0
+
+
 async def test_warm_and_replicate(gateway_a, den):
     async with gateway_a.client(timeout=120) as client:
         with trio.fail_after(240):

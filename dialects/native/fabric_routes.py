@@ -191,6 +191,8 @@ def _decision(services: Any, kind: str, peer: str | None, name: str, rows: list[
                 "reason": f"remote {peer}'s breaker is open (last error: {state.get('last_error')}); a request is "
                           f"refused with 503 until it probes again in {state.get('breaker_probe_in_secs')}s"}
     note = f"; its last probe failed: {state.get('last_error')}" if state.get("reach") == "unreachable" else ""
+    if state.get("breaker") == "half_open":
+        note += "; its breaker is half-open: this request would be the one probe (others wait for its answer)"
     wait = {"warm": "resident there: no load", "cold": "not resident there: the peer loads it first",
             "unknown": "the peer reports no capacity (not a Blazar gateway, or not read yet)"}[
         line.get("tier") or "unknown"]
