@@ -5,6 +5,8 @@ each decision; a peer that dies mid-stream ends the stream with each dialect's e
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import anthropic
 import ollama
@@ -15,7 +17,7 @@ import trio
 from blazar.config import FailoverEntry, KeyEntry, RemoteEntry
 from blazar.paths import Paths
 from lanes.child import free_port
-from tests.conftest import start_gateway
+from tests.conftest import ServeProcess, start_gateway
 from tests.lane_fixtures import add_shared_audio, add_shared_model, register_engine
 
 pytestmark = pytest.mark.engine
@@ -368,6 +370,39 @@ async def test_a_peer_dying_mid_stream_ends_each_dialect_with_its_error_frame(nu
             anthropic_text = (await client.post("/v1/messages", json={
                 "model": REMOTE_MODEL, "messages": PROMPT, "max_tokens": 8, "stream": True})).text
             assert "event: error" in anthropic_text and "remote den" in anthropic_text
+
+
+async def test_a_real_peer_killed_mid_stream_ends_the_stream_with_an_error_frame(nursery, tmp_path, shared_home,
+                                                                                  shared_engine):
+    """The real thing beside the double above: peer B is `blazar serve`, SIGKILLed (with its engine) while
+    a long generation streams through A."""
+    home = Paths(tmp_path / "den").ensure()
+    register_engine(home, shared_engine.binary, shared_engine.tag)
+    add_shared_model(home, shared_home)
+    peer = ServeProcess(home, tmp_path / "den.log", "--bind", f"127.0.0.1:{free_port()}")
+    info = await peer.start()
+    try:
+        gateway = await start_gateway(nursery, Paths(tmp_path / "a").ensure(),
+                                      remotes=[RemoteEntry(name="den", url=info["url"])])
+        body = {"model": REMOTE_MODEL, "messages": [{"role": "user", "content": "Tell a long story."}],
+                "max_tokens": 2000, "stream": True, "temperature": 0}
+        received = ""
+        async with gateway.client(timeout=60) as client:
+            with trio.fail_after(120):
+                async with client.stream("POST", "/v1/chat/completions", json=body) as stream:
+                    assert stream.status_code == 200 and stream.headers["x-blazar-remote"] == "den"
+                    async for text in stream.aiter_text():
+                        if not received:  # the first tokens are here: the peer dies with its engine
+                            for pidfile in (home.run / "children").glob("*.json"):
+                                os.kill(int(pidfile.stem), signal.SIGKILL)
+                            peer.kill()
+                        received += text
+        assert '"content"' in received  # tokens arrived before the peer died
+        assert received.rstrip().endswith("data: [DONE]")
+        error = json.loads(received.rstrip().split("data: ")[-2])["error"]
+        assert "remote den" in error["message"] and "in the middle of the stream" in error["message"]
+    finally:
+        peer.kill()
 
 
 async def test_remote_addressing_needs_a_configured_peer(gateway_a):
