@@ -494,6 +494,8 @@ def engine_failure(reply: UpstreamReply) -> Refusal:
     text = reply.engine_message or reply.body.decode(errors="replace")[:2000]
     if 400 <= reply.status < 500:
         return Refusal(reply.status, f"the engine refused the request: {text}")
+    if reply.status == 503:  # busy, not broken (a peer's queue, a loading engine): worth a retry
+        return Refusal(503, f"the engine is busy: {text}", hint="retry in a moment", retry_after=1.0)
     return Refusal(502, f"the engine failed ({reply.status}): {text}")
 
 

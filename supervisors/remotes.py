@@ -11,7 +11,7 @@ Lifecycle of a peer (only the loop changes state):
 - A request (`RemoteSubmit`) runs as a task in this actor's nursery: it goes to the peer over a
   keep-alive pool with the key read from `key_env`, and the caller gets the whole answer or a bounded
   channel of chunks, exactly as from a local instance, so every dialect relays it the same way.
-  A failure is a connect error, a timeout, a broken stream or a 5xx from the peer.
+  A failure is a connect error, a timeout, a broken stream or a 5xx other than 503 (busy) from the peer.
 - A prober task reads the peer's health every `poll_secs` (a Blazar peer's `/api/capacity`, which
   also fills the capacity cache); it never holds a request up, and `Describe` answers from the cache at
   once with the snapshot's age and the last error.
@@ -42,6 +42,12 @@ log = logging.getLogger("blazar.remotes")
 BREAKER_FAILURES = 3
 BREAKER_MAX_SECS = 900.0
 STREAM_BUFFER = 32
+
+
+def broken_answer(status: int) -> bool:
+    """A peer answer that counts against its breaker: a 5xx, but not 503 (the peer is up and busy: its own
+    queue refused the request, which says nothing about its health)."""
+    return status >= 500 and status != 503
 
 
 class RemoteSubmit(Envelope, frozen=True, kw_only=True, tag="remote_submit"):
@@ -254,13 +260,14 @@ class RemotePeer(MessageLoop):
                 answer(message.reply, Ok(reply))
                 if usage is not None and reply.status == 200:
                     usage(lane.usage_total(message.call.path, body=reply.body))
-                return reply.status < 500, f"{self.entry.name} answered {reply.status}" if reply.status >= 500 else ""
+                failed = broken_answer(reply.status)
+                return not failed, f"{self.entry.name} answered {reply.status}" if failed else ""
             async with self.pool.stream(message.call.method, url, content=body, headers=headers,
                                         extensions=self._extensions()) as response:
                 if response.status != 200:
                     reply = self._reply(response.status, await response.aread(), header(response, b"content-type"))
                     answer(message.reply, reply if isinstance(reply, Err) else Ok(reply))
-                    failed = isinstance(reply, Err) or response.status >= 500
+                    failed = isinstance(reply, Err) or broken_answer(response.status)
                     return not failed, f"{self.entry.name} answered {response.status}" if failed else ""
                 send, receive = trio.open_memory_channel[StreamChunk | StreamFailure](STREAM_BUFFER)
                 with send:

@@ -319,15 +319,16 @@ async def test_doctor_checks_each_peer_and_worker(den):
 # ---------------------------------------------------------------- a peer dying mid-stream
 
 
-class PeerThatDiesMidStream:
+class FaultyPeerDouble:
     """A fault-injection double of a peer gateway (not a real one): it answers one SSE chunk of a chat stream,
-    then drops the connection, as a peer does when its process is killed mid-answer."""
+    then drops the connection, as a peer does when its process is killed mid-answer; or, `busy`, a 503."""
 
     CHUNK = {"id": "x", "object": "chat.completion.chunk", "model": "m",
              "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Blue"}, "finish_reason": None}]}
 
-    def __init__(self) -> None:
+    def __init__(self, busy: bool = False) -> None:
         self.port = 0
+        self.busy = busy  # answer every request with the 503 a peer's full queue gives
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
@@ -348,6 +349,12 @@ class PeerThatDiesMidStream:
             await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
             await stream.aclose()
             return
+        if self.busy:
+            busy = b'{"error": {"message": "all slots are busy", "code": "all_slots_busy"}}'
+            await stream.send_all(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                                  + f"content-length: {len(busy)}\r\n\r\n".encode() + busy)
+            await stream.aclose()
+            return
         event = b"data: " + json.dumps(self.CHUNK).encode() + b"\n\n"
         head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
         await stream.send_all(head + f"{len(event):x}\r\n".encode() + event + b"\r\n")
@@ -355,7 +362,7 @@ class PeerThatDiesMidStream:
 
 
 async def test_a_peer_dying_mid_stream_ends_each_dialect_with_its_error_frame(nursery, tmp_path):
-    peer = PeerThatDiesMidStream()
+    peer = FaultyPeerDouble()
     await nursery.start(peer.serve)
     gateway = await start_gateway(nursery, Paths(tmp_path / "a").ensure(),
                                   remotes=[RemoteEntry(name="den", url=f"http://127.0.0.1:{peer.port}")])
@@ -370,6 +377,21 @@ async def test_a_peer_dying_mid_stream_ends_each_dialect_with_its_error_frame(nu
             anthropic_text = (await client.post("/v1/messages", json={
                 "model": REMOTE_MODEL, "messages": PROMPT, "max_tokens": 8, "stream": True})).text
             assert "event: error" in anthropic_text and "remote den" in anthropic_text
+
+
+async def test_a_busy_peer_is_not_a_broken_one(nursery, tmp_path):
+    peer = FaultyPeerDouble(busy=True)
+    await nursery.start(peer.serve)
+    gateway = await start_gateway(nursery, Paths(tmp_path / "a").ensure(),
+                                  remotes=[RemoteEntry(name="den", url=f"http://127.0.0.1:{peer.port}")])
+    async with gateway.client(timeout=30) as client:
+        with trio.fail_after(60):
+            for _ in range(4):
+                reply = await client.post("/v1/chat/completions", json={"model": REMOTE_MODEL, "messages": PROMPT})
+                assert reply.status_code == 503 and "all slots are busy" in reply.json()["error"]["message"]
+                assert reply.headers["retry-after"] == "1"
+            line = (await client.get("/api/fabric")).json()["remotes"][0]
+            assert line["breaker"] == "closed" and line["failures_in_a_row"] == 0
 
 
 async def test_a_real_peer_killed_mid_stream_ends_the_stream_with_an_error_frame(nursery, tmp_path, shared_home,
