@@ -9,6 +9,7 @@ import os
 import signal
 
 import anthropic
+import httpx
 import ollama
 import openai
 import pytest
@@ -17,7 +18,7 @@ import trio
 from blazar.config import FailoverEntry, KeyEntry, RemoteEntry
 from blazar.paths import Paths
 from lanes.child import free_port
-from tests.conftest import ServeProcess, start_gateway
+from tests.conftest import ServeProcess, arun_cli, start_gateway
 from tests.lane_fixtures import add_shared_audio, add_shared_model, register_engine
 
 pytestmark = pytest.mark.engine
@@ -425,6 +426,31 @@ async def test_a_real_peer_killed_mid_stream_ends_the_stream_with_an_error_frame
         assert "remote den" in error["message"] and "in the middle of the stream" in error["message"]
     finally:
         peer.kill()
+
+
+async def test_blazar_ps_prints_the_peers(tmp_path, den):
+    home = Paths(tmp_path / "a").ensure()
+    home.config.write_text(f'[[remotes]]\nname = "den"\nurl = "{den.url}"\nkey_env = "DEN_KEY"\n\n'
+                           f'[[remotes]]\nname = "attic"\nurl = "{closed_port_url()}"\n')
+    serve = ServeProcess(home, tmp_path / "serve.log", "--bind", f"127.0.0.1:{free_port()}",
+                         env={"DEN_KEY": PEER_KEY})
+    info = await serve.start()
+    try:
+        async with httpx.AsyncClient(base_url=info["url"], timeout=10) as client:
+            with trio.fail_after(60):
+                while True:  # both first probes are in
+                    lines = {p["name"]: p for p in (await client.get("/api/ps")).json()["remotes"]}
+                    if lines["den"].get("capacity") and lines["attic"]["reach"] == "unreachable":
+                        break
+                    await trio.sleep(0.1)
+        result = await arun_cli("ps", env={**os.environ, "BLAZAR_HOME": str(home.home)})
+        assert result.returncode == 0, result.stderr
+        rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.strip()}
+        assert rows["REMOTE"][:4] == ["REMOTE", "KIND", "REACH", "BREAKER"]
+        assert rows["den"][1:4] == ["blazar", "reachable", "closed"] and rows["den"][-1] == "none"
+        assert rows["attic"][1:4] == ["blazar", "unreachable", "closed"] and rows["attic"][-1] == "unknown"
+    finally:
+        serve.kill()
 
 
 async def test_remote_addressing_needs_a_configured_peer(gateway_a):

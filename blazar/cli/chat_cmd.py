@@ -176,6 +176,20 @@ async def run(model: str | None, prompt: tuple[str, ...], verbose: bool, max_tok
             messages.append({"role": "assistant", "content": answer})
 
 
+def _print_remotes(remotes: list[dict]) -> None:
+    """The peers' lines from /api/ps: reach, breaker, and a Blazar peer's cached capacity."""
+    if not remotes:
+        return
+    say(f"{'REMOTE':<16} {'KIND':<7} {'REACH':<12} {'BREAKER':<10} {'AGE':>6} RESIDENTS")
+    for peer in remotes:
+        capacity = peer.get("capacity")
+        age = f"{capacity['age_secs']:.0f}s" if capacity else ""
+        residents = (", ".join(capacity["residents"]) or "none") if capacity else "unknown"
+        say(f"{peer['name']:<16} {peer.get('kind') or '':<7} {peer.get('reach') or '':<12} "
+            f"{peer.get('breaker') or '':<10} {age:>6} {residents}")
+    say("")
+
+
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="One JSON line per instance.")
 @click.option("--reset", is_flag=True, help="Clear crash breakers so failed models may start again.")
@@ -187,11 +201,13 @@ async def ps(as_json: bool, reset: bool) -> None:
         if reset:
             cleared = (await client.post(f"{url}/api/ps/reset")).json()["cleared"]
             note(f"breakers cleared: {', '.join(cleared)}" if cleared else "no breaker was open")
-        rows = (await client.get(f"{url}/api/ps")).json()["models"]
+        listing = (await client.get(f"{url}/api/ps")).json()
+    rows, remotes = listing["models"], listing.get("remotes") or []
     if as_json:
         for row in rows:
             emit_json(row)
         return
+    _print_remotes(remotes)
     if not rows:
         note("no models loaded")
         return
