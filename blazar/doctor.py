@@ -196,7 +196,7 @@ def fabric_checks(config: Config, environ: dict[str, str] | None = None) -> list
 
     import httpx
 
-    from blazar.fabric_config import PROBE_PATHS, rpc_addresses, split_host_port
+    from blazar.fabric_config import PROBE_PATHS, rpc_workers_in_use, split_host_port
 
     environ = dict(os.environ if environ is None else environ)
     rows: list[Check] = []
@@ -218,11 +218,8 @@ def fabric_checks(config: Config, environ: dict[str, str] | None = None) -> list
                           detail=f"{remote.kind} peer {remote.url}: {problem or 'answers'}",
                           fix="check the url and that the peer runs; GET /api/route/<peer>:<model> explains"
                           if problem else ""))
-    workers = {w.address: w.name for w in config.rpc_workers}
-    for model in config.models:
-        for address in rpc_addresses(config, model):
-            workers.setdefault(address, address)
-    for address, label in workers.items():
+    for address, (name, _models) in rpc_workers_in_use(config).items():
+        label = name or address
         host, port = split_host_port(address)
         try:
             socket.create_connection((host, port), timeout=2).close()

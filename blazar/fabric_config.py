@@ -64,6 +64,17 @@ def rpc_addresses(config: Any, model: str) -> tuple[str, ...]:
     return tuple(workers.get(entry, entry) for entry in entries)
 
 
+def rpc_workers_in_use(config: Any) -> dict[str, tuple[str | None, list[str]]]:
+    """Every RPC worker config names, by address: its [[rpc_workers]] name (None for a bare host:port in a
+    model's list) and the models spread over it."""
+    names = {w.address: w.name for w in config.rpc_workers}
+    workers: dict[str, tuple[str | None, list[str]]] = {address: (name, []) for address, name in names.items()}
+    for model in config.models:
+        for address in rpc_addresses(config, model):
+            workers.setdefault(address, (None, []))[1].append(model)
+    return workers
+
+
 def _check_remotes(config: Any, source: str) -> None:
     seen: set[str] = set()
     for index, remote in enumerate(config.remotes):

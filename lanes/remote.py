@@ -1,8 +1,9 @@
 """The remote lane: a peer whose "engine child" is another gateway or server, reached over HTTP.
 
 Pure knowledge, like every lane module: which paths each kind of peer serves, how a request is
-addressed to the model's name there, which headers go with it, how the peer's health and capacity are
-read, and how its answers are counted. The supervisor (`supervisors/remotes.py`) owns the connections,
+addressed to the model's name there, which headers go with it, how a Blazar peer's capacity is read, and
+how its answers are counted. (Each kind's health path is `blazar.fabric_config.PROBE_PATHS`: `blazar doctor`
+reads the same paths.) The supervisor (`supervisors/remotes.py`) owns the connections,
 the breaker and the capacity cache.
 
 Kinds:
@@ -20,11 +21,7 @@ from typing import Any
 
 import msgspec
 
-from blazar.fabric_config import PROBE_PATHS
-
 from .llamacpp import LlamaCppLane, engine_error_text
-
-__all__ = ["PROBE_PATHS"]
 
 KINDS = ("blazar", "openai", "ollama")
 OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})

@@ -204,6 +204,25 @@ _tickets = itertools.count(1)
 _serials = itertools.count(1)
 
 
+async def pump_stream(response: httpcore.Response, send: trio.MemorySendChannel
+                      ) -> tuple[bytes, float | None, BaseException | None]:
+    """Relay an upstream body into a stream channel as it arrives. Returns its last 8 KiB (where the usage
+    is), the seconds to its first chunk, and the transport error that broke it (None when it ended cleanly).
+    A caller that stopped reading raises trio's Broken/ClosedResourceError out of here."""
+    started = trio.current_time()
+    first_chunk: float | None = None
+    tail = b""
+    try:
+        async for chunk in response.aiter_stream():
+            if first_chunk is None:
+                first_chunk = trio.current_time() - started
+            tail = (tail + chunk)[-8192:]
+            await send.send(StreamChunk(data=chunk))
+    except TRANSPORT_ERRORS as error:
+        return tail, first_chunk, error
+    return tail, first_chunk, None
+
+
 def next_ticket() -> int:
     return next(_tickets)
 
@@ -624,23 +643,15 @@ class Instance:
                     if not answer(waiter.reply, Ok(UpstreamStream(status=200, chunks=receive,
                                                                   queued_secs=queued_secs))):
                         return True  # the caller left before the first byte
-                    sent_at = trio.current_time()
-                    first_chunk: float | None = None
-                    tail = b""
-                    try:
-                        async for chunk in response.aiter_stream():
-                            if first_chunk is None:
-                                first_chunk = trio.current_time() - sent_at
-                            tail = (tail + chunk)[-8192:]
-                            await send.send(StreamChunk(data=chunk))
+                    tail, first_chunk, broken = await pump_stream(response, send)
+                    if broken is None:
                         if call.path in lane.generation_paths:
                             self._observe(waiter, queued_secs, lane.final_event(tail), first_chunk=first_chunk)
                         return True
-                    except TRANSPORT_ERRORS as error:
-                        await trio.sleep(0.05)  # let the exit watcher and output drain see the crash
-                        with contextlib.suppress(trio.BrokenResourceError):
-                            await send.send(StreamFailure(message=self._broken(error)))
-                        return False
+                    await trio.sleep(0.05)  # let the exit watcher and output drain see the crash
+                    with contextlib.suppress(trio.BrokenResourceError):
+                        await send.send(StreamFailure(message=self._broken(broken)))
+                    return False
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return True  # the client hung up: leaving the `async with` closes the upstream request
         except TRANSPORT_ERRORS as error:

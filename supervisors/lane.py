@@ -551,6 +551,11 @@ class LaneClient:
             self.handles[shape] = handle
         return handle
 
+    def warm(self, model: str) -> bool:
+        """Start loading `model` without waiting for it (its planning refusals go nowhere: a warm request
+        is advice). False when the lane's mailbox is full."""
+        return tell(self.mailbox, Ensure(reply=None, model=model, num_ctx=None))
+
     def forget(self, handle: Handle) -> None:
         """That instance refused or is gone: the next request for it asks the lane."""
         for shape in [shape for shape, cached in self.handles.items() if cached.mailbox is handle.mailbox]:

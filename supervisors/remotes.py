@@ -31,11 +31,12 @@ import httpcore
 import msgspec
 import trio
 
+from blazar.fabric_config import PROBE_PATHS
 from lanes import remote as lane
 from lanes.child import TRANSPORT_ERRORS, header
 
 from .actor import Envelope, Err, MessageLoop, Ok, Reply, answer, call
-from .instance import StreamChunk, StreamFailure, UpstreamCall, UpstreamReply, UpstreamStream
+from .instance import StreamChunk, StreamFailure, UpstreamCall, UpstreamReply, UpstreamStream, pump_stream
 
 log = logging.getLogger("blazar.remotes")
 
@@ -275,13 +276,9 @@ class RemotePeer(MessageLoop):
                                                                    content_type=header(response, b"content-type")
                                                                    or "text/event-stream"))):
                         return True, ""
-                    tail = b""
-                    try:
-                        async for chunk in response.aiter_stream():
-                            tail = (tail + chunk)[-8192:]
-                            await send.send(StreamChunk(data=chunk))
-                    except TRANSPORT_ERRORS as error:
-                        text = self._failure_text(error) + " in the middle of the stream"
+                    tail, _first_chunk, broken = await pump_stream(response, send)
+                    if broken is not None:
+                        text = self._failure_text(broken) + " in the middle of the stream"
                         with contextlib.suppress(trio.BrokenResourceError):
                             await send.send(StreamFailure(message=text))
                         return False, text
@@ -335,7 +332,7 @@ class RemotePeer(MessageLoop):
 
     async def _probe(self) -> None:
         assert self.pool is not None
-        path = lane.PROBE_PATHS[self.entry.kind]
+        path = PROBE_PATHS[self.entry.kind]
         result = _Probed(ok=False, error="")
         try:
             with trio.fail_after(self.entry.connect_timeout_secs + 10):

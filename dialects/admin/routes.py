@@ -140,17 +140,12 @@ async def remote_lines(services: Any) -> list[dict[str, Any]]:
 
 async def rpc_worker_lines(services: Any) -> list[dict[str, Any]]:
     """Every llama.cpp RPC worker in config ([[rpc_workers]] and models' rpc lists), probed now (TCP, 2 s)."""
-    from blazar.fabric_config import rpc_addresses
+    from blazar.fabric_config import rpc_workers_in_use
     from lanes.rpc import probe_rpc_workers
 
-    config = services.config
-    names = {w.address: w.name for w in config.rpc_workers}
-    users: dict[str, list[str]] = {address: [] for address in names}
-    for model in config.models:
-        for address in rpc_addresses(config, model):
-            users.setdefault(address, []).append(model)
-    probed = await probe_rpc_workers(users)
-    return [{"address": address, "name": names.get(address), "models": users[address],
+    workers = rpc_workers_in_use(services.config)
+    probed = await probe_rpc_workers(workers)
+    return [{"address": address, "name": workers[address][0], "models": workers[address][1],
              "health": "up" if not why else "down", "error": why or None} for address, why in probed]
 
 

@@ -27,9 +27,8 @@ from dialects.edge import (
     submit,
 )
 from dialects.wire import RequestError, require_model
-from supervisors.actor import ActorError, ActorUnavailable, tell
+from supervisors.actor import ActorError, ActorUnavailable
 from supervisors.instance import UpstreamCall
-from supervisors.lane import Ensure
 
 blueprint = Blueprint("fabric", __name__)
 
@@ -54,7 +53,7 @@ async def warm():
         require_local(services, model, "/api/warm")
         await admit_request(services, model)  # the key's model scope and limits, like a request for it
         if not wait:
-            if not tell(services.lane.mailbox, Ensure(reply=None, model=model, num_ctx=None)):
+            if not services.lane.warm(model):
                 raise Refusal(503, "the text lane is too busy to take a warm request now", hint="retry in a moment")
             return json_response({"status": "ok"})
         started = time.perf_counter()

@@ -387,8 +387,9 @@ async def _remote_speech_to_text(services: Any, task: str, transcription: t.Tran
     path = "/v1/audio/transcriptions" if task == "transcribe" else "/v1/audio/translations"
     upload = httpx.Request("POST", f"http://{peer}{path}", data={**form, "model": name},
                            files={"file": (filename, audio)})
+    body = await trio.to_thread.run_sync(upload.read)  # the multipart copy of an upload of up to 50 MiB
     result = await forward(services, transcription.model, UpstreamCall(
-        path=path, body=upload.read(), content_type=upload.headers["content-type"]), request.headers)
+        path=path, body=body, content_type=upload.headers["content-type"]), request.headers)
     if result.status >= 400:
         raise engine_failure(result)
     return Response(result.body, status=result.status, content_type=result.content_type)
