@@ -1,6 +1,7 @@
 """One engine child process, the same way for every lane: the piece the instance actor and quickbench share.
 
-- spawned in its own process group (a stop reaches the engine's own children too), stdin closed,
+- spawned through `blazar.childproc` (own process group, so a stop reaches the engine's own children too;
+  SIGKILLed by the kernel if the process that started it dies by any means), stdin closed,
   stdout+stderr into a bounded ring so a crash report carries the engine's last words;
 - `wait_ready()` polls a health URL racing the child's exit and a deadline;
 - `terminate()`: SIGTERM to the group, grace, SIGKILL, always reaped;
@@ -15,12 +16,13 @@ import contextlib
 import os
 import signal
 import socket
-import subprocess
 from collections import deque
 from collections.abc import Awaitable, Callable
 
 import httpcore
 import trio
+
+from blazar import childproc
 
 OUTPUT_RING_BYTES = 64 * 1024
 STOP_GRACE_SECS = 5.0
@@ -77,7 +79,7 @@ class EngineProcess:
     def __init__(self, argv: list[str], *, name: str) -> None:
         self.argv = argv
         self.name = name
-        self.process: trio.Process | None = None
+        self.process: childproc.ChildProcess | None = None
         self.output: deque[bytes] = deque()
         self.output_bytes = 0
         self.output_closed = trio.Event()
@@ -98,9 +100,7 @@ class EngineProcess:
                     on_exit: Callable[[int], Awaitable[None]] | None = None) -> None:
         """Spawn; raises ChildFailed when the binary cannot be started at all."""
         try:
-            self.process = await trio.lowlevel.open_process(
-                self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                start_new_session=True)
+            self.process = await childproc.spawn(self.argv, stdout=childproc.PIPE, stderr=childproc.STDOUT)
         except OSError as error:
             raise ChildFailed(f"could not start {self.argv[0]}: {error}") from None
         nursery.start_soon(self._drain_output)
@@ -152,6 +152,7 @@ class EngineProcess:
                 while self.output_bytes > OUTPUT_RING_BYTES and len(self.output) > 1:
                     self.output_bytes -= len(self.output.popleft())
         finally:
+            self.process.stdout.close()
             self.output_closed.set()
 
     async def _watch_exit(self, on_exit: Callable[[int], Awaitable[None]] | None) -> None:
