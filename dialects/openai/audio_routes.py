@@ -18,7 +18,7 @@ import msgspec
 import trio
 from quart import Blueprint, Response, current_app, request
 
-from blazar import audio_models
+from blazar import audio_models, childproc
 from blazar.pcm import pcm_to_wav
 from dialects.edge import (
     Refusal,
@@ -430,7 +430,7 @@ def _voice_rate(services: Any, voice: str) -> int:
 
 async def _transcode(argv: list[str], wav_bytes: bytes) -> bytes:
     with trio.move_on_after(FFMPEG_SECS) as budget:
-        done = await trio.run_process(argv, stdin=wav_bytes, capture_stdout=True, capture_stderr=True, check=False)
+        done = await childproc.run(argv, input=wav_bytes)
     if budget.cancelled_caught:
         raise Refusal(504, f"ffmpeg did not finish within {FFMPEG_SECS:g} s", hint="send shorter text per request")
     if done.returncode != 0 or not done.stdout:
@@ -446,7 +446,7 @@ def _live_transcode(stream: Any, argv: list[str]) -> AsyncIterator[bytes]:
     send, receive = trio.open_memory_channel[bytes](16)
 
     async def pipe() -> None:
-        process = await trio.lowlevel.open_process(argv, stdin=-1, stdout=-1, stderr=-3)
+        process = await childproc.spawn(argv, stdin=childproc.PIPE, stdout=childproc.PIPE)
         try:
             async with send, trio.open_nursery() as nursery:
                 async def feed() -> None:
@@ -462,10 +462,7 @@ def _live_transcode(stream: Any, argv: list[str]) -> AsyncIterator[bytes]:
         except* Exception:  # a task of the app's nursery must never take the app down
             log.exception("live transcoding failed")
         finally:
-            with trio.CancelScope(shield=True):
-                if process.returncode is None:
-                    process.kill()
-                await process.wait()
+            await childproc.stop(process)
 
     current_app.nursery.start_soon(pipe)
 
