@@ -250,6 +250,20 @@ def runtime_checks(paths: Paths, probe_health: Callable[[str], str | None]) -> l
     return rows
 
 
+def orphan_checks(paths: Paths) -> list[Check]:
+    """Engine children a dead gateway left behind (its pidfiles in run/children): each one is killed, its
+    pidfile removed, and the row says which. Children of a live gateway are left alone."""
+    from blazar.orphans import doctor_orphans
+
+    orphans = doctor_orphans(paths)
+    if not orphans:
+        return [Check(group="RUNTIME", check="orphans", status="ok",
+                      detail="no engine child outlived its gateway")]
+    return [Check(group="RUNTIME", check=f"orphan {orphan.model}", status="warn", detail=orphan.describe(),
+                  fix=f"nothing left to do; why its gateway died may be in {paths.logs / 'serve.log'}")
+            for orphan in orphans]
+
+
 def _ledger_check(path: Path) -> Check:
     import apsw
 

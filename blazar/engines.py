@@ -225,28 +225,3 @@ class Roster:
                               fix="give more of the tag")
         known = ", ".join(sorted(roster.engines)) or "none"
         raise EngineError(f"no engine {tag!r} (installed: {known})", fix="blazar engine list")
-
-
-def sweep_orphans(paths: Paths) -> list[int]:
-    """At boot: stop engine children a previous daemon left behind (it crashed or was SIGKILLed)."""
-    import signal
-
-    folder = paths.run / "children"
-    stopped = []
-    for pidfile in sorted(folder.glob("*.json")) if folder.exists() else []:
-        try:
-            info = json.loads(pidfile.read_text())
-            pid = int(info["pid"])
-            with open(f"/proc/{pid}/cmdline", "rb") as handle:
-                argv0 = handle.read().split(b"\0", 1)[0].decode(errors="replace")
-        except (OSError, ValueError, KeyError):
-            pidfile.unlink(missing_ok=True)
-            continue
-        if argv0 == info.get("argv0"):
-            try:
-                os.killpg(pid, signal.SIGKILL)
-                stopped.append(pid)
-            except ProcessLookupError:
-                pass
-        pidfile.unlink(missing_ok=True)
-    return stopped

@@ -34,10 +34,11 @@ from hypercorn.utils import wrap_app
 from blazar import __version__
 from blazar.auth import Auth, KeyGate
 from blazar.config import Config, parse_bind
-from blazar.engines import Roster, sweep_orphans
+from blazar.engines import Roster
 from blazar.keys import KeyTable, records_from_config, write_cli_token
 from blazar.middleware import build_stack, loopback_host
 from blazar.observability import Observability
+from blazar.orphans import sweep_orphans
 from blazar.paths import Paths
 from dialects.app import create_app, job_kinds
 from lanes import LANES

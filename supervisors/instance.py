@@ -33,6 +33,7 @@ import heapq
 import itertools
 import json
 import logging
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -577,7 +578,8 @@ class Instance:
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"pid": self.child.pid, "model": self.key, "engine_tag": self.plan.engine_tag,
-                                        "port": self.port, "argv0": str(self.plan.binary)}))
+                                        "port": self.port, "argv0": str(self.plan.binary),
+                                        "gateway_pid": os.getpid()}))  # doctor: is its gateway gone?
 
     def _remove_pidfile(self) -> None:
         path = self._pidfile()

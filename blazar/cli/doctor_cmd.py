@@ -15,6 +15,7 @@ from blazar.doctor import (
     engine_checks,
     gpu_checks,
     model_checks,
+    orphan_checks,
     runtime_checks,
     system_checks,
 )
@@ -36,6 +37,7 @@ async def doctor(flat: bool, as_json: bool) -> None:
         rows.extend(await trio.to_thread.run_sync(group, paths))
     rows.extend(await trio.to_thread.run_sync(channel_checks, paths, live_keys))
     rows.extend(await trio.to_thread.run_sync(runtime_checks, paths, lambda url: health.get(url)))
+    rows.extend(await trio.to_thread.run_sync(orphan_checks, paths))
     rows.extend(await _runtime_probe(paths))
     for group in GROUPS:
         members = [r for r in rows if r.group == group]
