@@ -40,12 +40,15 @@ class KeyEntry(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One API key (`[[keys]]`); managed with `blazar keys`, not `config set`.
 
     Exactly one of `secret` (hand-written plaintext) and `secret_hash` (scrypt, written by
-    `blazar keys add`) is set; `prefix` is the first 8 characters of a hashed secret, for display."""
+    `blazar keys add`) is set; `prefix` is the first 8 characters of a hashed secret, for display;
+    `lookup` is the keyed digest of the whole secret that finds a hashed entry before scrypt runs
+    (entries written before it existed have none and are found by their prefix)."""
 
     name: str
     secret: str = ""
     secret_hash: str = ""
     prefix: str = ""
+    lookup: str = ""
     models: list[str] = []
     rpm: int = 0
     tpm: int = 0
@@ -106,6 +109,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     shutdown_grace_secs: float = 10.0
     body_limit_mib: int = 50
+    auth_failures_per_minute: int = 30
     cors_origins: list[str] = msgspec.field(default_factory=lambda: list(LOCAL_ORIGINS))
     allowed_hosts: list[str] = []
     keep_alive: str | int = "5m"
@@ -134,6 +138,8 @@ KEY_DOCS: dict[str, str] = {
     "log_level": "debug | info | warning | error",
     "shutdown_grace_secs": "seconds in-flight requests get to finish on SIGINT/SIGTERM",
     "body_limit_mib": "largest request body accepted, in MiB (413 above it)",
+    "auth_failures_per_minute": "wrong API keys one client address may send per minute before its requests get 429 "
+                                "with Retry-After until the minute is over (0 = no limit)",
     "cors_origins": "browser origins allowed (any port; * wildcards); others get 403; [\"*\"] allows any",
     "allowed_hosts": "Host header values served besides loopback ones (reverse proxies; * wildcards)",
     "keep_alive": "idle time before a resident model is evicted: 30s, 5m, 1h, or seconds",
@@ -324,7 +330,7 @@ def parse_duration(value: str | int | float) -> float:
 
 
 def _check_keys(config: Config, source: str) -> None:
-    from blazar.keys import LIMIT_FIELDS, NAME_PATTERN, valid_hash
+    from blazar.keys import LIMIT_FIELDS, NAME_PATTERN, reserved_name, reserved_name_message, valid_hash, valid_lookup
 
     seen: set[str] = set()
     for index, key in enumerate(config.keys):
@@ -332,6 +338,9 @@ def _check_keys(config: Config, source: str) -> None:
         if not NAME_PATTERN.match(key.name):
             raise ConfigError(f"{where}: name {key.name!r} must be 1-64 characters of A-Z a-z 0-9 . _ -",
                               fix="rename it in config.toml")
+        if reserved_name(key.name):
+            raise ConfigError(f"{where}: {reserved_name_message(key.name)}",
+                              fix=f"rename it in config.toml (e.g. name = \"{key.name.replace('-', '_')}\")")
         if key.name in seen:
             raise ConfigError(f"{where}: a second key named {key.name!r}", fix="give each [[keys]] entry its own name")
         seen.add(key.name)
@@ -341,6 +350,10 @@ def _check_keys(config: Config, source: str) -> None:
         if key.secret_hash and not valid_hash(key.secret_hash):
             raise ConfigError(f"{where} ({key.name}): secret_hash is not a scrypt hash written by blazar",
                               fix=f"blazar keys rotate {key.name}")
+        if key.lookup and (not key.secret_hash or not valid_lookup(key.lookup)):
+            raise ConfigError(f"{where} ({key.name}): lookup must be the 32-hex-digit digest blazar writes next to "
+                              "secret_hash (a plaintext `secret` has none)",
+                              fix=f"remove the lookup line, or blazar keys rotate {key.name} to write both afresh")
         for limit in (*LIMIT_FIELDS, "weight"):
             if getattr(key, limit) < (1 if limit == "weight" else 0):
                 raise ConfigError(f"{where} ({key.name}): {limit} must be ≥ {1 if limit == 'weight' else 0}",
@@ -367,6 +380,7 @@ def _check_semantics(config: Config, source: str) -> None:
             raise ConfigError(f"{source}: {key}: {error.message}", fix=error.fix) from None
     for key, number in (("shutdown_grace_secs", config.shutdown_grace_secs),
                         ("body_limit_mib", config.body_limit_mib),
+                        ("auth_failures_per_minute", config.auth_failures_per_minute),
                         ("max_resident_models", config.max_resident_models),
                         ("queue_wait_secs", config.queue_wait_secs),
                         ("ram_budget_mib", config.ram_budget_mib),

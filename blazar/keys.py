@@ -9,10 +9,17 @@ Where keys come from:
   CLI on the same machine proves it may act by reading a file only the owner of BLAZAR_HOME can read.
 
 Auth is active iff a config or environment key exists; the CLI token alone does not lock the gateway.
-Secrets are compared in constant time (hmac.compare_digest); a hashed key is found by its stored
-8-character prefix first, so a wrong secret costs no scrypt run, and a secret verified once is
-remembered by its SHA-256 for the life of the table (a change of keys builds a new table, so a
-rotated secret dies at once).
+Plaintext secrets are compared in constant time (hmac.compare_digest). A hashed key is found by its
+`lookup` digest (a keyed SHA-256 of the whole secret, written next to `secret_hash`): scrypt runs only
+for a secret whose digest matches a stored one, so a wrong secret (one sharing a key's visible prefix
+included) never costs a scrypt run and its response time says nothing about the prefix. Entries
+written before the digest existed are found by their prefix, as they were; `blazar keys rotate NAME`
+gives them one (the auth middleware runs their scrypt one at a time, under the failure throttle). A
+secret verified once is remembered by its SHA-256 for the life of the table (a change of keys builds a
+new table, so a rotated secret dies at once).
+
+Reserved names: `local-cli` (the CLI token's record) and `env-…` (what BLAZAR_KEYS entries are called)
+are never the name of a `[[keys]]` entry.
 """
 
 from __future__ import annotations
@@ -35,6 +42,12 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 LIMIT_FIELDS = ("rpm", "tpm", "daily_tokens", "max_concurrent")
 LOCAL_KEY_NAME = "local-cli"
 ENV_VARIABLE = "BLAZAR_KEYS"
+ENV_NAME_PREFIX = "env-"
+# The lookup digest: HMAC-SHA256 under a fixed application key (domain separation: it is no plain hash of
+# the secret anything else computes), truncated to 128 bits. Generated secrets carry 128 random bits, so
+# the digest in config.toml gives an offline guesser nothing scrypt would have withheld.
+_LOOKUP_KEY = b"blazar/api-key-lookup/v1"
+LOOKUP_HEX = 32
 _SCRYPT = {"n": 2**14, "r": 8, "p": 1}
 _VERIFIED_CACHE = 1024
 
@@ -63,6 +76,26 @@ def display_prefix(secret: str) -> str:
 
 def redacted(prefix: str) -> str:
     return f"{prefix}…" if prefix else "…"
+
+
+def lookup_digest(secret: str) -> str:
+    """What `[[keys]] lookup` stores: finds the entry whose scrypt hash is worth checking. Cheap (no scrypt)."""
+    return hmac.new(_LOOKUP_KEY, secret.encode(), hashlib.sha256).hexdigest()[:LOOKUP_HEX]
+
+
+def valid_lookup(value: str) -> bool:
+    return re.fullmatch(rf"[0-9a-f]{{{LOOKUP_HEX}}}", value) is not None
+
+
+def reserved_name(name: str) -> bool:
+    """`local-cli` and `env-…` name the CLI token and BLAZAR_KEYS entries; a configured key may not take them."""
+    return name == LOCAL_KEY_NAME or name.startswith(ENV_NAME_PREFIX)
+
+
+def reserved_name_message(name: str) -> str:
+    return (f"the key name {name!r} is reserved: {LOCAL_KEY_NAME!r} is the CLI's local token and "
+            f"{ENV_NAME_PREFIX}… names the keys read from {ENV_VARIABLE}; a [[keys]] entry under one of them "
+            "could be mistaken for those")
 
 
 def hash_secret(secret: str) -> str:
@@ -106,6 +139,7 @@ class KeyRecord:
     prefix: str = ""
     secret: str = field(default="", repr=False)  # plaintext entries only
     secret_hash: str = field(default="", repr=False)
+    lookup: str = field(default="", repr=False)  # lookup_digest(secret), hashed entries written since it exists
 
     @property
     def admin(self) -> bool:
@@ -135,15 +169,20 @@ class KeyTable:
         self.records = {record.name: record for record in records}
         self.local = KeyRecord(name=LOCAL_KEY_NAME, source="local", secret=local_token) if local_token else None
         self._verified: dict[bytes, str] = {}
+        self._by_lookup = {r.lookup: r for r in records if r.secret_hash and r.lookup}
+        self._legacy = [r for r in records if r.secret_hash and not r.lookup]
 
     @property
     def enabled(self) -> bool:
         return bool(self.records)
 
     def get(self, name: str) -> KeyRecord | None:
-        if self.local is not None and name == self.local.name:
+        """A key by name. A configured or environment key always wins: the CLI token's unlimited record
+        answers to its name only when no other key has it (config refuses the name; this is the backstop)."""
+        record = self.records.get(name)
+        if record is None and self.local is not None and name == self.local.name:
             return self.local
-        return self.records.get(name)
+        return record
 
     def match_fast(self, secret: str) -> tuple[KeyRecord | None, list[KeyRecord]]:
         """(the key, None) when plaintext or a cached verification decides; else the hashed candidates
@@ -163,9 +202,12 @@ class KeyTable:
         cached = self._verified.get(digest)
         if cached is not None and cached in self.records:
             return self.records[cached], []
+        hit = self._by_lookup.get(lookup_digest(secret))
+        if hit is not None:
+            return None, [hit]  # the whole secret's digest matched: scrypt confirms it
+        # Entries without a lookup digest (written before it existed) are still found by their prefix.
         prefix = display_prefix(secret)
-        owed = [r for r in self.records.values() if r.secret_hash and r.prefix in (prefix, "")]
-        return None, owed
+        return None, [r for r in self._legacy if r.prefix in (prefix, "")]
 
     def verify_slow(self, secret: str, owed: list[KeyRecord]) -> KeyRecord | None:
         """Blocking: scrypt per candidate (usually one)."""
@@ -182,9 +224,10 @@ def records_from_config(entries: list[Any], environ: dict[str, str] | None = Non
     """Config `[[keys]]` entries (KeyEntry structs) plus `BLAZAR_KEYS`."""
     records = [KeyRecord(name=e.name, source="config", models=tuple(e.models), rpm=e.rpm, tpm=e.tpm,
                          daily_tokens=e.daily_tokens, max_concurrent=e.max_concurrent, weight=e.weight,
-                         prefix=e.prefix or display_prefix(e.secret), secret=e.secret, secret_hash=e.secret_hash)
+                         prefix=e.prefix or display_prefix(e.secret), secret=e.secret, secret_hash=e.secret_hash,
+                         lookup=e.lookup)
                for e in entries]
-    taken = {r.name for r in records}
+    taken = {r.name for r in records} | {LOCAL_KEY_NAME}
     for index, item in enumerate(parse_env_keys((environ if environ is not None else os.environ)
                                                 .get(ENV_VARIABLE, "")), start=1):
         name, secret = item
@@ -249,6 +292,10 @@ def check_new_key(body: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(name, str) or not NAME_PATTERN.match(name):
         raise KeyChangeError(400, f"`name` must be 1-64 characters of A-Z a-z 0-9 . _ -, got {name!r}",
                         fix='e.g. {"name": "laptop"}')
+    if reserved_name(name):
+        raise KeyChangeError(400, f"`name`: {reserved_name_message(name)}",
+                             fix=f'pick another name (not {LOCAL_KEY_NAME} and not starting with {ENV_NAME_PREFIX}), '
+                             'e.g. {"name": "laptop"}')
     unknown = sorted(set(body) - {"name", "models", "weight", *LIMIT_FIELDS})
     if unknown:
         raise KeyChangeError(400, f"unknown field(s) {', '.join(unknown)}; a key takes name, models, weight, "
@@ -313,12 +360,14 @@ def remove_from_document(document: tomlkit.TOMLDocument, name: str) -> None:
         del document["keys"]
 
 
-def set_secret_in_document(document: tomlkit.TOMLDocument, name: str, secret_hash: str, prefix: str) -> None:
+def set_secret_in_document(document: tomlkit.TOMLDocument, name: str, secret_hash: str, prefix: str,
+                           lookup: str) -> None:
     item = find_in_document(document, name)
     if "secret" in item:
         del item["secret"]
     item["secret_hash"] = secret_hash
     item["prefix"] = prefix
+    item["lookup"] = lookup
 
 
 def migrate_document(document: tomlkit.TOMLDocument, hasher: Any = hash_secret) -> list[str]:
@@ -341,7 +390,7 @@ def migrate_document(document: tomlkit.TOMLDocument, hasher: Any = hash_secret) 
         while name in taken:
             name += "x"
         taken.add(name)
-        entry = {"name": name, "secret_hash": hasher(secret)}
+        entry = {"name": name, "secret_hash": hasher(secret), "lookup": lookup_digest(secret)}
         if display_prefix(secret):
             entry["prefix"] = display_prefix(secret)
         add_to_document(document, entry)
@@ -362,7 +411,8 @@ def change_keys(config_file: Any, op: str, name: str, *, live: KeyTable,
             raise KeyChangeError(409, f"a key named {name!r} already exists",
                                  fix=f"pick another name, or rotate it: blazar keys rotate {name}")
         secret = new_secret()
-        full = {**entry, "secret_hash": hash_secret(secret), "prefix": display_prefix(secret)}
+        full = {**entry, "secret_hash": hash_secret(secret), "prefix": display_prefix(secret),
+                "lookup": lookup_digest(secret)}
         return config_file.mutate(lambda doc: add_to_document(doc, full)), secret
     record = live.records.get(name)
     if record is None:
@@ -379,14 +429,14 @@ def change_keys(config_file: Any, op: str, name: str, *, live: KeyTable,
         return config_file.mutate(lambda doc: remove_from_document(doc, name)), ""
     if op == "rotate":
         secret = new_secret()
-        hashed, prefix = hash_secret(secret), display_prefix(secret)
-        return config_file.mutate(lambda doc: set_secret_in_document(doc, name, hashed, prefix)), secret
+        hashed, prefix, lookup = hash_secret(secret), display_prefix(secret), lookup_digest(secret)
+        return config_file.mutate(lambda doc: set_secret_in_document(doc, name, hashed, prefix, lookup)), secret
     raise KeyChangeError(400, f"unknown key operation {op!r}", fix="add, remove or rotate")
 
 
 def redact_entries(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`[[keys]]` as `config list/get` show them: no secret, no hash."""
-    return [{**{k: v for k, v in e.items() if k not in ("secret", "secret_hash", "prefix")},
+    return [{**{k: v for k, v in e.items() if k not in ("secret", "secret_hash", "prefix", "lookup")},
              "secret": redacted(e.get("prefix") or display_prefix(e.get("secret") or ""))} for e in entries]
 
 

@@ -118,11 +118,16 @@ async def run_gateway(
     def key_table(entries: list) -> KeyTable:
         return KeyTable([*records_from_config(entries, {}), *env_records], local_token)
 
-    gate = KeyGate(key_table(config.keys))
+    gate = KeyGate(key_table(config.keys), failures_per_minute=config.auth_failures_per_minute)
     host, _ = parse_bind(config.bind)
     if not gate.table.enabled and not loopback_host(host):
         log.warning("listening on %s with no API keys: anyone who can reach this address can use and manage "
                     "the gateway; lock it: blazar keys add NAME (or bind 127.0.0.1)", config.bind)
+    for entry in config.keys:
+        if entry.secret_hash and not entry.lookup:
+            log.warning("key %r has no lookup digest (written before it existed): it is found by its prefix, and "
+                        "a wrong secret sharing that prefix costs a scrypt run; blazar keys rotate %s gives it one",
+                        entry.name, entry.name)
     async with trio.open_nursery() as root:
         obs = Observability()
         ledger = LedgerClient(await root.start(partial(supervise, lambda: LedgerActor(paths.ledger))))
