@@ -1,5 +1,6 @@
 """Bounded under hostile input: API keys with no scrypt prefix oracle (a lookup digest of the whole secret),
-scrypt one at a time, a per-address failure throttle, and reserved key names (no engine needed)."""
+scrypt one at a time, a per-address failure throttle, and reserved key names; batch files scanned off the event
+loop under a line cap (no engine needed)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from blazar.keys import (
     records_from_config,
 )
 from blazar.paths import Paths
+from dialects.batches import MAX_BATCH_LINES
 from tests.conftest import ServeProcess, arun_cli, issued, start_gateway
 
 ADMIN = "plm_" + "5e" * 16
@@ -247,3 +249,80 @@ async def test_reserved_key_names_are_refused_by_the_admin_plane_and_the_cli(nur
         refused = await arun_cli("keys", "add", "env-3", env=env)
     assert refused.returncode != 0 and "reserved" in refused.stderr, refused.stderr
     assert "env-3" not in home.config.read_text()
+
+
+# ---------------------------------------------------------------- 3. batch files
+
+
+async def test_a_huge_batch_file_is_refused_by_its_line_cap_without_memory_or_a_stall(home: Paths, tmp_path):
+    log = tmp_path / "serve.log"
+    server = ServeProcess(home, log, "--bind", "127.0.0.1:0")
+    short_lines = b"x\n" * (1024 * 1024)  # 2 MiB, a million lines that are not JSON
+    over_cap = b'{"custom_id": "c", "method": "POST"}\n' * (MAX_BATCH_LINES + 1)
+    at_cap = b'{"custom_id": "c"}\n' * MAX_BATCH_LINES
+    rss_bound_kib = 64 * 1024
+    healthz_bound = 1.0
+    try:
+        with trio.fail_after(120):
+            info = await server.start()
+            pid = info["pid"]
+            async with httpx.AsyncClient(base_url=info["url"], timeout=60) as client, \
+                    httpx.AsyncClient(base_url=info["url"], timeout=10) as prober:
+
+                async def batch_of(data: bytes) -> httpx.Response:
+                    uploaded = await client.post("/v1/files", data={"purpose": "batch"},
+                                                 files={"file": ("in.jsonl", data)})
+                    assert uploaded.status_code == 200, uploaded.text
+                    return await client.post("/v1/batches", json={"input_file_id": uploaded.json()["id"],
+                                                                  "endpoint": "/v1/chat/completions"})
+
+                small = await batch_of(b'{"custom_id": "a"}\n')  # warm: every code path has run once
+                assert small.status_code == 200, small.text
+                await client.post(f"/v1/batches/{small.json()['id']}/cancel")
+                await trio.Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS now
+                baseline = vm_kib(pid, "VmRSS")
+                latencies: list[float] = []
+                done = trio.Event()
+
+                async def probe() -> None:
+                    while not done.is_set():
+                        started = time.monotonic()
+                        assert (await prober.get("/healthz")).status_code == 200
+                        latencies.append(time.monotonic() - started)
+                        with trio.move_on_after(0.02):
+                            await done.wait()
+
+                async with trio.open_nursery() as watch:
+                    watch.start_soon(probe)
+                    refusals = [await batch_of(short_lines), await batch_of(over_cap)]
+                    accepted = await batch_of(at_cap)
+                    done.set()
+                peak = vm_kib(pid, "VmHWM")
+                for refused in refusals:
+                    assert refused.status_code == 400, refused.text
+                    error = refused.json()["error"]
+                    assert "50,000" in error["message"] and "Split it" in error["message"], error
+                    assert error["type"] == "invalid_request_error"
+                assert accepted.status_code == 200, accepted.text
+                assert accepted.json()["request_counts"]["total"] == MAX_BATCH_LINES
+                await client.post(f"/v1/batches/{accepted.json()['id']}/cancel")
+        grown = peak - baseline
+        print(f"RSS {baseline} KiB, peak {peak} KiB (+{grown} KiB); /healthz worst {max(latencies) * 1000:.0f} ms "
+              f"over {len(latencies)} probes")
+        assert grown < rss_bound_kib, f"the gateway grew {grown} KiB scanning batch files"
+        assert len(latencies) >= 3 and max(latencies) < healthz_bound, max(latencies)
+    finally:
+        server.kill()
+
+
+def test_bad_lines_fail_alone_and_only_the_first_hundred_keep_their_parse_error():
+    from dialects.batches import DETAILED_LINE_ERRORS, scan_lines
+
+    data = b'{"custom_id": "ok"}\n\n' + b"nope\n" * (DETAILED_LINE_ERRORS + 5) + b"[1]\n"
+    items, count = scan_lines(data)
+    assert count == len(items) == DETAILED_LINE_ERRORS + 7
+    assert items[0] == {"custom_id": "ok"}
+    assert items[1]["custom_id"] == "line-3" and "line 3 is not valid JSON" in items[1]["_invalid"]
+    later = items[DETAILED_LINE_ERRORS + 1]
+    assert "first 100 bad lines" in later["_invalid"] and later["custom_id"] == f"line-{DETAILED_LINE_ERRORS + 3}"
+    assert len({id(item["_invalid"]) for item in items[DETAILED_LINE_ERRORS + 1:]}) == 1  # one shared string

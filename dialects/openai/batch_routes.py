@@ -14,7 +14,7 @@ import msgspec
 import trio
 from quart import Blueprint, Response, current_app, request
 
-from dialects.batches import LOW_PRIORITY, ItemFailed, counts_of, decode_lines, item_rows, run_items
+from dialects.batches import LOW_PRIORITY, ItemFailed, count_lines, counts_of, decode_lines, item_rows, run_items
 from dialects.chat_core import completion_result, run_chat
 from dialects.edge import Refusal, forward, json_response, limit_arg, owner, refuse, viewer
 from dialects.wire import RequestError, check_choices, decode_object, require_model
@@ -164,7 +164,7 @@ async def run_openai_batch(services: Any, ctx: JobContext) -> dict[str, Any]:
     rows = await services.ledger.query("SELECT path FROM files WHERE id = ?", (ctx.request["input_file_id"],))
     data = await trio.to_thread.run_sync(Path(rows[0]["path"]).read_bytes) if rows else b""
     endpoint = ctx.request["endpoint"]
-    counts = await run_items(services, ctx, decode_lines(data),
+    counts = await run_items(services, ctx, await decode_lines(data),
                              lambda item: _openai_item(services, endpoint, item, ctx.key))
     return {"counts": counts}
 
@@ -219,7 +219,7 @@ async def create_batch():
             raise RequestError(f"file {file_id} was uploaded with purpose {row['purpose']!r}; batches read "
                                "purpose=batch files", param="input_file_id")
         data = await trio.to_thread.run_sync(Path(row["path"]).read_bytes)
-        total = len(decode_lines(data))
+        total = await count_lines(data)
         if total == 0:
             raise RequestError(f"file {file_id} has no request lines", param="input_file_id")
     except (RequestError, Refusal) as error:
