@@ -662,5 +662,9 @@ def effective_with_sources(config_file: ConfigFile, environ: dict[str, str] | No
             from blazar.keys import redact_entries
 
             value = redact_entries(value)
+        elif parts[0] == "remotes":  # a peer url may hold user:pass@
+            from blazar.fabric_config import redacted_remotes
+
+            value = redacted_remotes(value)
         rows.append((key, value, source))
     return rows

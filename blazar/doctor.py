@@ -196,7 +196,7 @@ def fabric_checks(config: Config, environ: dict[str, str] | None = None) -> list
 
     import httpx
 
-    from blazar.fabric_config import PROBE_PATHS, rpc_workers_in_use, split_host_port
+    from blazar.fabric_config import PROBE_PATHS, redacted_url, rpc_workers_in_use, split_host_port
 
     environ = dict(os.environ if environ is None else environ)
     rows: list[Check] = []
@@ -204,7 +204,8 @@ def fabric_checks(config: Config, environ: dict[str, str] | None = None) -> list
         name = f"remote:{remote.name}"
         if remote.key_env and not environ.get(remote.key_env):
             rows.append(Check(group="CHANNELS", check=name, status="warn",
-                              detail=f"{remote.url}: ${remote.key_env} is not set, so requests to it are refused",
+                              detail=f"{redacted_url(remote.url)}: ${remote.key_env} is not set, so requests to it are "
+                              "refused",
                               fix=f"export {remote.key_env}=<the peer's key> before blazar serve"))
             continue
         headers = {"authorization": f"Bearer {environ[remote.key_env]}"} if remote.key_env else {}
@@ -215,7 +216,7 @@ def fabric_checks(config: Config, environ: dict[str, str] | None = None) -> list
         except httpx.HTTPError as error:
             problem = f"unreachable ({type(error).__name__})"
         rows.append(Check(group="CHANNELS", check=name, status="warn" if problem else "ok",
-                          detail=f"{remote.kind} peer {remote.url}: {problem or 'answers'}",
+                          detail=f"{remote.kind} peer {redacted_url(remote.url)}: {problem or 'answers'}",
                           fix="check the url and that the peer runs; GET /api/route/<peer>:<model> explains"
                           if problem else ""))
     for address, (name, _models) in rpc_workers_in_use(config).items():

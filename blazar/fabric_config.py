@@ -19,6 +19,26 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 PROBE_PATHS = {"blazar": "/api/capacity", "openai": "/v1/models", "ollama": "/api/version"}
 
 
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
+
+
+def redacted_url(url: str) -> str:
+    """A peer URL as it may be shown (API answers, `blazar ps`, doctor, errors, logs): any `user:pass@` in it
+    replaced by `***@`. The full URL is used only to connect."""
+    return _USERINFO.sub(r"\1***@", url)
+
+
+def redacted_remotes(value: Any) -> Any:
+    """`config list/get` of `remotes` (the whole array, one entry or one url): the same redaction."""
+    if isinstance(value, str):
+        return redacted_url(value)
+    if isinstance(value, dict):
+        return {k: redacted_url(v) if k == "url" and isinstance(v, str) else v for k, v in value.items()}
+    if isinstance(value, list):
+        return [redacted_remotes(item) for item in value]
+    return value
+
+
 class ConfigProblem(Exception):
     def __init__(self, message: str, fix: str) -> None:
         super().__init__(message)
@@ -88,11 +108,11 @@ def _check_remotes(config: Any, source: str) -> None:
         seen.add(remote.name)
         url = urlsplit(remote.url)
         if url.scheme not in ("http", "https") or not url.hostname or url.query or url.fragment:
-            raise ConfigProblem(f"{where} ({remote.name}): url {remote.url!r} must be an http:// or https:// base "
-                                "URL", fix='e.g. url = "http://192.168.1.20:11434" (no /v1, no query)')
+            raise ConfigProblem(f"{where} ({remote.name}): url {redacted_url(remote.url)!r} must be an http:// or "
+                                "https:// base URL", fix='e.g. url = "http://192.168.1.20:11434" (no /v1, no query)')
         if url.path.rstrip("/").endswith("/v1"):
-            raise ConfigProblem(f"{where} ({remote.name}): url {remote.url!r} ends in /v1; Blazar adds the API "
-                                "paths itself", fix=f"url = \"{remote.url.rstrip('/')[:-3]}\"")
+            raise ConfigProblem(f"{where} ({remote.name}): url {redacted_url(remote.url)!r} ends in /v1; Blazar adds "
+                                "the API paths itself", fix="drop the /v1 at the end of the url")
         if remote.key_env and (not ENV_NAME.match(remote.key_env) or remote.key_env.startswith(("plm_", "sk_"))):
             raise ConfigProblem(f"{where} ({remote.name}): key_env {remote.key_env!r} is not an environment variable "
                                 "name; it names the variable that holds the key, never the key itself",

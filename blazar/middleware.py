@@ -133,17 +133,33 @@ class Patterns:
         return any(p.fullmatch(value) or p.fullmatch(bare) for p in self._compiled)
 
 
+def _host_name(value: str) -> str:
+    """The host part of a Host header or bind host: `[::1]:8080` -> `::1`, `localhost:3000` -> `localhost`;
+    a bare IPv6 address (`::1`, `::ffff:127.0.0.1`, as a bind host is written) stays whole."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        end = value.find("]")
+        return value[1:end] if end > 0 else value
+    if value.count(":") == 1:
+        return value.partition(":")[0]
+    return value
+
+
 def loopback_host(host: str) -> bool:
-    """localhost, *.localhost, 127.0.0.0/8 and [::1], with or without a port."""
+    """localhost, *.localhost, 127.0.0.0/8, ::1 and IPv4-mapped loopback (::ffff:127.0.0.1), bracketed or
+    bare, with or without a port: for Host headers and for the bind address alike."""
     import ipaddress
 
-    name = _split_port(host.strip().lower()).rstrip(".")
-    if name in ("localhost", "[::1]") or name.endswith(".localhost"):
+    name = _host_name(host).rstrip(".")
+    if name == "localhost" or name.endswith(".localhost"):
         return True
     try:
-        return ipaddress.ip_address(name.strip("[]")).is_loopback
+        address = ipaddress.ip_address(name)
     except ValueError:
         return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
 
 
 class HostGuard:
@@ -197,13 +213,40 @@ def is_preflight(scope: Scope) -> bool:
         header(scope, b"access-control-request-method") is not None
 
 
+# What a page on another site may still load without an Origin header (an <img>, a link, a form GET): the
+# health probes, and the console page itself, which holds no data (it asks for everything it shows with
+# same-origin fetches, and holds no key until the user types one into it).
+CROSS_SITE_OPEN = frozenset({"/healthz", "/health", "/ui"})
+
+
+def cross_site_without_origin(scope: Scope) -> str | None:
+    """The Sec-Fetch-Site value of a browser request that came from another site (or a sibling subdomain)
+    but carries no Origin: an <img>, a plain navigation, a form GET. None for anything else: programs send
+    no Sec-Fetch-Site, and `same-origin` / `none` (the console's own fetches, a typed URL) are the user's."""
+    site = header(scope, b"sec-fetch-site")
+    if site is None or header(scope, b"origin") is not None:
+        return None
+    value = site.decode("latin-1").strip().lower()
+    return value if value in ("cross-site", "same-site") else None
+
+
 class Cors:
     """Browser origins: an allowed one gets its preflight answered and allow-origin on responses; any
-    other gets 403 on every method, preflight included. Requests without Origin (SDKs, curl) pass."""
+    other gets 403 on every method, preflight included. Requests without Origin (SDKs, curl) pass, unless
+    the browser says they came from another site (Sec-Fetch-Site: cross-site or same-site)."""
 
     def __init__(self, app: ASGIApp, origins: list[str]) -> None:
         self.app = app
         self.patterns = Patterns(origins)
+
+    @staticmethod
+    def _fetch_site_refusal(scope: Scope, site: str) -> bytes:
+        message = (f"a browser request from another site (Sec-Fetch-Site: {site}, no Origin) may not reach "
+                   f"{scope['path']}: an <img>, link or form on any page could otherwise make your browser "
+                   "call this gateway. Open the gateway's own pages directly (a typed URL or a bookmark), or "
+                   "call it from a program (SDKs and curl send no Sec-Fetch-Site). GET /healthz, /health and "
+                   "/ui stay reachable. See docs/security.md")
+        return error_bytes(scope["path"], 403, message)
 
     def _refusal(self, scope: Scope, origin: str) -> bytes:
         wanted = [*self.patterns.entries, origin]
@@ -217,6 +260,13 @@ class Cors:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw = header(scope, b"origin") if scope["type"] in ("http", "websocket") else None
         if raw is None:
+            site = cross_site_without_origin(scope) if scope["type"] in ("http", "websocket") else None
+            if site is not None and not (scope["type"] == "http" and scope["method"] in ("GET", "HEAD")
+                                         and scope["path"] in CROSS_SITE_OPEN):
+                scope["blazar.refused"] = "fetch_site"
+                await refuse_scope(scope, send, 403, self._fetch_site_refusal(scope, site),
+                                   extra_headers=[(b"vary", b"sec-fetch-site")])
+                return
             await self.app(scope, receive, send)
             return
         origin = raw.decode("latin-1")

@@ -31,7 +31,7 @@ import httpcore
 import msgspec
 import trio
 
-from blazar.fabric_config import PROBE_PATHS
+from blazar.fabric_config import PROBE_PATHS, redacted_url
 from lanes import remote as lane
 from lanes.child import TRANSPORT_ERRORS, header
 
@@ -86,6 +86,7 @@ class RemotePeer(MessageLoop):
         self.entry = entry
         self.name = f"remote:{entry.name}"
         self.base = entry.url.rstrip("/")
+        self.shown_url = redacted_url(entry.url)  # what answers and errors show: no user:pass@
         self.cooldown_secs = max(1.0, cooldown_secs)
         self.key = (environ if environ is not None else os.environ).get(entry.key_env, "") if entry.key_env else ""
         self.reach = "unknown"
@@ -200,7 +201,7 @@ class RemotePeer(MessageLoop):
         now = trio.current_time()
         self._tick(now)
         row: dict[str, Any] = {
-            "name": self.entry.name, "url": self.entry.url, "kind": self.entry.kind, "reach": self.reach,
+            "name": self.entry.name, "url": self.shown_url, "kind": self.entry.kind, "reach": self.reach,
             "breaker": self.breaker, "failures_in_a_row": self.failures, "in_flight": self.in_flight,
             "served": self.served, "last_error": self.last_error or None, "last_error_at": self.last_error_at,
             "last_ok_at": self.last_ok_at,
@@ -231,7 +232,7 @@ class RemotePeer(MessageLoop):
     def _failure_text(self, error: BaseException) -> str:
         what = "did not accept a connection" if isinstance(error, httpcore.ConnectError) else \
             "timed out" if isinstance(error, httpcore.TimeoutException) else "broke the connection"
-        return f"remote {self.entry.name} ({self.entry.url}) {what}: {type(error).__name__}: {error}".rstrip(": ")
+        return f"remote {self.entry.name} ({self.shown_url}) {what}: {type(error).__name__}: {error}".rstrip(": ")
 
     async def _report(self, ok: bool, error: str = "") -> None:
         with trio.CancelScope(shield=True), contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
@@ -349,7 +350,7 @@ class RemotePeer(MessageLoop):
                         capacity = decoded if isinstance(decoded, dict) else None
                 result = _Probed(ok=True, capacity=capacity)
         except trio.TooSlowError:
-            result = _Probed(ok=False, error=f"remote {self.entry.name} ({self.entry.url}) did not answer {path} "
+            result = _Probed(ok=False, error=f"remote {self.entry.name} ({self.shown_url}) did not answer {path} "
                              "in time")
         except TRANSPORT_ERRORS as error:
             result = _Probed(ok=False, error=self._failure_text(error))

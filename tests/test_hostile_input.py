@@ -1,9 +1,11 @@
 """Bounded under hostile input: API keys with no scrypt prefix oracle (a lookup digest of the whole secret),
 scrypt one at a time, a per-address failure throttle, and reserved key names; batch files scanned off the event
-loop under a line cap (no engine needed)."""
+loop under a line cap; loopback over IPv6, log lines no request can forge, peer URLs shown without their
+userinfo, and cross-site browser requests that carry no Origin (no engine needed)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -18,7 +20,7 @@ import pytest
 import trio
 
 from blazar.auth import FailureThrottle, client_address
-from blazar.config import ConfigError, ConfigFile
+from blazar.config import Config, ConfigError, ConfigFile, RemoteEntry
 from blazar.keys import (
     LOCAL_KEY_NAME,
     KeyRecord,
@@ -28,7 +30,10 @@ from blazar.keys import (
     lookup_digest,
     records_from_config,
 )
+from blazar.logs import escape_controls
+from blazar.middleware import loopback_host
 from blazar.paths import Paths
+from blazar.server import bind_socket, run_gateway
 from dialects.batches import MAX_BATCH_LINES
 from tests.conftest import ServeProcess, arun_cli, issued, start_gateway
 
@@ -326,3 +331,109 @@ def test_bad_lines_fail_alone_and_only_the_first_hundred_keep_their_parse_error(
     later = items[DETAILED_LINE_ERRORS + 1]
     assert "first 100 bad lines" in later["_invalid"] and later["custom_id"] == f"line-{DETAILED_LINE_ERRORS + 3}"
     assert len({id(item["_invalid"]) for item in items[DETAILED_LINE_ERRORS + 1:]}) == 1  # one shared string
+
+
+# ---------------------------------------------------------------- 4. edges
+
+
+def test_loopback_is_recognised_in_every_ipv6_spelling():
+    for host in ("::1", "[::1]", "[::1]:11434", "::ffff:127.0.0.1", "[::ffff:127.0.0.1]:80", "[::ffff:7f00:1]",
+                 "127.0.0.1", "127.9.9.9:80", "localhost:3000", "app.localhost", "[0:0:0:0:0:0:0:1]"):
+        assert loopback_host(host), host
+    for host in ("::", "0.0.0.0", "[::ffff:10.0.0.1]", "fd00::2", "evil.example", "evil.example:11434",
+                 "127.0.0.1.evil.example", ""):
+        assert not loopback_host(host), host
+
+
+async def test_a_gateway_bound_to_ipv6_loopback_refuses_a_foreign_host(nursery, home: Paths):
+    config = Config(bind="[::1]:0")
+    try:
+        sock = bind_socket(config.bind)
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    port = sock.getsockname()[1]
+    await nursery.start(partial(run_gateway, home, config, sock=sock, shutdown=trio.Event(), environ={}))
+    with trio.fail_after(20):
+        async with httpx.AsyncClient(base_url=f"http://[::1]:{port}", timeout=10) as client:
+            assert (await client.get("/v1/models")).status_code == 200
+            foreign = await client.get("/v1/models", headers={"host": f"evil.example:{port}"})
+            assert foreign.status_code == 403 and "DNS-rebinding" in foreign.json()["error"]["message"]
+            for host in (f"[::1]:{port}", f"[::ffff:127.0.0.1]:{port}", f"localhost:{port}"):
+                assert (await client.get("/v1/models", headers={"host": host})).status_code == 200, host
+
+
+async def test_an_encoded_newline_in_a_path_cannot_forge_a_log_line(home: Paths, tmp_path):
+    log = tmp_path / "serve.log"
+    server = ServeProcess(home, log, "--bind", "127.0.0.1:0")
+    forged = "12:00:00 I blazar.access: GET /v1/models 200 0.1ms forged"
+    try:
+        with trio.fail_after(60):
+            info = await server.start()
+            async with httpx.AsyncClient(base_url=info["url"]) as client:
+                raw = "/probe%0A" + forged.replace(" ", "%20") + "%0D%1B[31m"
+                assert (await client.get(raw)).status_code == 404
+            while True:  # the access line is written once the response has gone
+                if "/probe" in log.read_text():
+                    break
+                await trio.sleep(0.05)
+        text = log.read_text()
+        assert not [line for line in text.splitlines() if line.startswith(forged)]
+        assert "/probe\\n" + forged + "\\r\\x1b[31m" in text
+        assert "\x1b" not in text
+    finally:
+        server.kill()
+    assert escape_controls("a\u2028b\x85c") == "a\\u2028b\\x85c"
+
+
+async def test_peer_urls_never_show_their_userinfo(nursery, home: Paths):
+    remote = RemoteEntry(name="den", url="http://alice:s3cret-pass@127.0.0.1:9/", connect_timeout_secs=0.5,
+                         poll_secs=0.2)
+    gateway = await start_gateway(nursery, home, remotes=[remote])
+    with trio.fail_after(30):
+        async with gateway.client() as client:
+            while True:  # the prober has tried (and failed) once: its error names the peer too
+                fabric = (await client.get("/api/fabric")).json()
+                row = next(r for r in fabric["remotes"] if r["name"] == "den")
+                if row["last_error"]:
+                    break
+                await trio.sleep(0.05)
+            assert row["url"] == "http://***@127.0.0.1:9/"
+            answers = [json.dumps(fabric)] + [(await client.get(path)).text
+                                              for path in ("/api/ps", "/api/capacity", "/api/route/den:smollm2")]
+    for text in answers:
+        assert "s3cret-pass" not in text and "alice" not in text
+    assert "(http://***@127.0.0.1:9/)" in row["last_error"], row["last_error"]
+    home.config.write_text('[[remotes]]\nname = "den"\nurl = "http://alice:s3cret-pass@127.0.0.1:9/"\n')
+    from blazar.config import effective_with_sources
+
+    shown = json.dumps([value for key, value, _ in effective_with_sources(ConfigFile(home.config), {})
+                        if key.startswith("remotes")])
+    assert "s3cret-pass" not in shown and "***@127.0.0.1:9" in shown
+
+
+async def test_cross_site_requests_without_an_origin_are_refused_except_health_and_the_console(nursery, home: Paths):
+    gateway = await start_gateway(nursery, home)
+    with trio.fail_after(30):
+        async with gateway.client() as client:
+            for site in ("cross-site", "same-site"):
+                refused = await client.get("/v1/models", headers={"sec-fetch-site": site})
+                assert refused.status_code == 403
+                message = refused.json()["error"]["message"]
+                assert f"Sec-Fetch-Site: {site}" in message and "/healthz" in message
+                ollama = await client.get("/api/tags", headers={"sec-fetch-site": site})
+                assert ollama.status_code == 403 and "Sec-Fetch-Site" in ollama.json()["error"]  # Ollama's shape
+                posted = await client.post("/api/generate", headers={"sec-fetch-site": site},
+                                           content=b'{"model": "smollm2:135m", "prompt": "hi"}')
+                assert posted.status_code == 403
+                anthropic = await client.post("/v1/messages", headers={"sec-fetch-site": site}, content=b"{}")
+                assert anthropic.json()["error"]["type"] == "permission_error"
+                for path in ("/healthz", "/health", "/ui"):
+                    assert (await client.get(path, headers={"sec-fetch-site": site})).status_code == 200, path
+                assert (await client.post("/ui", headers={"sec-fetch-site": site})).status_code == 403
+            for site in ("same-origin", "none"):
+                assert (await client.get("/v1/models", headers={"sec-fetch-site": site})).status_code == 200
+            # An allowed page's own fetch carries its Origin: the origin rules decide, as before.
+            allowed = await client.get("/v1/models", headers={"sec-fetch-site": "same-site",
+                                                              "origin": "http://localhost:3000"})
+            assert allowed.status_code == 200
+            assert (await client.get("/api/ps")).json()["models"] == []  # nothing was loaded

@@ -92,6 +92,10 @@ async def get(key: str, as_json: bool) -> None:
         from blazar.keys import redact_entries
 
         value = redact_entries(value)
+    elif parts[0] == "remotes":  # a peer url may hold user:pass@
+        from blazar.fabric_config import redacted_remotes
+
+        value = redacted_remotes(value)
     if as_json:
         emit_json({"key": join_key(parts), "value": value, "source": source})
     else:
