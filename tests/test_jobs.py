@@ -249,16 +249,37 @@ async def test_a_key_sees_only_its_own_jobs_and_responses(nursery, keyed_home):
     assert refused["type"] == "errored" and MODEL in refused["error"]["error"]["message"]  # names the allowed models
 
 
+def _metric(text: str, name: str, **labels: str) -> float:
+    """One sample of a Prometheus exposition (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        if series == (f"{name}{{{want}}}" if want else name):
+            return float(value)
+    return 0.0
+
+
 async def test_acknowledged_work_survives_a_sigkill_of_the_gateway(home: Paths, tmp_path, shared_home, shared_engine):
     """SIGKILL `blazar serve` mid-batch and mid-background-response, start it again on the same home: the
-    stored response is served from SQLite, the batch resumes and skips the items it had finished, and the
-    interrupted background response is closed as failed with a resubmit hint. Nothing acknowledged is lost."""
+    stored response is served from SQLite, the batch resumes and runs only the items it had not finished, and
+    the interrupted background response is closed as failed with a resubmit hint. Nothing acknowledged is lost.
+
+    That finished items are not run again is proven by what was spent, not by the gateway's own event: the
+    new gateway's engine generated exactly the output tokens of the items left at the kill, and the batch's
+    key was charged exactly their prompt and output tokens."""
     import signal
 
+    from blazar.ledger import open_ledger, query
     from tests.conftest import ServeProcess
 
     register_engine(home, shared_engine.binary, shared_engine.tag)
     add_shared_model(home, shared_home)
+    # Two keys: a key runs one job at a time while another key's job waits (supervisors/fair_slots.py), and
+    # the batch's charges are then its own.
+    home.config.write_text(f'[[keys]]\nname = "batcher"\nsecret = "{issued(ALICE)}"\n\n'
+                           f'[[keys]]\nname = "writer"\nsecret = "{issued(BOB)}"\n')
+    auth = {"authorization": f"Bearer {ALICE}"}
+    writer = {"authorization": f"Bearer {BOB}"}
     requests = [{"custom_id": f"r{i}", "params": {"model": MODEL, "max_tokens": 24, "temperature": 0,
                                                   "messages": [{"role": "user", "content": f"Count to {i + 3}."}]}}
                 for i in range(10)]
@@ -267,29 +288,37 @@ async def test_acknowledged_work_survives_a_sigkill_of_the_gateway(home: Paths, 
     try:
         with trio.fail_after(240):
             info = await first.start()
-            async with httpx.AsyncClient(base_url=info["url"], timeout=60) as http:
+            async with httpx.AsyncClient(base_url=info["url"], timeout=60, headers=auth) as http:
                 stored = (await http.post("/v1/responses", json={"model": MODEL, "input": "Say yes.",
                                                                  "max_output_tokens": 6})).json()
-                batch = (await http.post("/v1/messages/batches", json={"requests": requests})).json()
-                background = (await http.post("/v1/responses", json={
+                background = (await http.post("/v1/responses", headers=writer, json={
                     "model": MODEL, "input": "Write a very long story.", "background": True,
                     "max_output_tokens": 2000, "temperature": 0})).json()
-                await until(lambda: _succeeded_at_least(http, batch["id"], 2))
 
                 async def background_running():
-                    return (await http.get(f"/v1/jobs/{background['id']}")).json()["status"] == "running"
+                    job = await http.get(f"/v1/jobs/{background['id']}", headers=writer)
+                    return job.json()["status"] == "running"
 
                 await until(background_running)
+                batch = (await http.post("/v1/messages/batches", json={"requests": requests})).json()
+                await until(lambda: _succeeded_at_least(http, batch["id"], 2))
             first.kill()  # SIGKILL: no drain, no cleanup
             await first.wait()
             home.daemon_file.unlink(missing_ok=True)
+            ledger = open_ledger(home.ledger)
+            try:  # what the dead gateway had recorded as finished: the items a resume must not run again
+                finished = {row["custom_id"] for row in query(
+                    ledger, "SELECT custom_id FROM batch_items WHERE job_id = ?", (batch["id"],))}
+            finally:
+                ledger.close()
+            assert 2 <= len(finished) < 10
 
             info = await second.start()
-            async with httpx.AsyncClient(base_url=info["url"], timeout=60) as http:
+            async with httpx.AsyncClient(base_url=info["url"], timeout=60, headers=auth) as http:
                 served = await http.get(f"/v1/responses/{stored['id']}")
                 assert served.status_code == 200 and served.json() == stored  # verbatim, from SQLite
 
-                interrupted = (await http.get(f"/v1/responses/{background['id']}")).json()
+                interrupted = (await http.get(f"/v1/responses/{background['id']}", headers=writer)).json()
                 assert interrupted["status"] == "failed"
                 assert "gateway stopped" in interrupted["error"]["message"]
                 assert "submit it again" in interrupted["error"]["message"]
@@ -300,12 +329,19 @@ async def test_acknowledged_work_survives_a_sigkill_of_the_gateway(home: Paths, 
 
                 done = await until(ended, every=0.3)
                 assert done["request_counts"]["succeeded"] == 10
-                events = (await http.get(f"/v1/jobs/{batch['id']}/events")).json()["data"]
-                resumed = [e for e in events if e["kind"] == "resumed_items"]
-                assert resumed and resumed[0]["detail"]["done"] >= 2  # finished items were not run again
                 lines = (await http.get(f"/v1/messages/batches/{batch['id']}/results")).text.splitlines()
-                assert sorted(json.loads(line)["custom_id"] for line in lines) == sorted(r["custom_id"]
-                                                                                         for r in requests)
+                results = {json.loads(line)["custom_id"]: json.loads(line)["result"] for line in lines}
+                assert sorted(results) == sorted(r["custom_id"] for r in requests)
+                rerun = [results[r["custom_id"]]["message"]["usage"] for r in requests
+                         if r["custom_id"] not in finished]
+                [engine] = [row for row in (await http.get("/api/ps")).json()["models"] if row["model"] == MODEL]
+                async with httpx.AsyncClient(timeout=10) as direct:
+                    engine_metrics = (await direct.get(f"http://127.0.0.1:{engine['port']}/metrics")).text
+                gateway_metrics = (await http.get("/metrics")).text
+            generated = _metric(engine_metrics, "llamacpp:tokens_predicted_total")
+            assert generated == sum(u["output_tokens"] for u in rerun), (generated, sorted(finished))
+            charged = _metric(gateway_metrics, "blazar_key_tokens_total", key="batcher")
+            assert charged == sum(u["input_tokens"] + u["output_tokens"] for u in rerun), (charged, sorted(finished))
             second.signal(signal.SIGTERM)
             assert await second.wait() == 0
     finally:
