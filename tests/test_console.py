@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
@@ -50,9 +51,31 @@ async def test_the_console_renders_live_data_in_chromium(nursery, home: Paths, s
             assert f">{tab}</button>" in html
         assert "smollm2:135m" in html and shared_engine.tag in html and "state-ready" in html
         assert job["id"] in html  # the Jobs tab lists the background response
-        OUTPUT.mkdir(exist_ok=True)
-        shot = OUTPUT / "console-dashboard.png"
-        await trio.run_process([browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--virtual-time-budget=8000",
-                                f"--screenshot={shot}", f"{gateway.url}/ui#dashboard"], capture_stdout=True,
-                               capture_stderr=True, check=False)
-    assert shot.exists() and shot.stat().st_size > 10_000
+        shot = tmp_path / "console-dashboard.png"  # a fresh path: no earlier run's image can stand in for it
+        taken = await trio.run_process([browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
+                                        "--virtual-time-budget=8000", f"--screenshot={shot}",
+                                        f"{gateway.url}/ui#dashboard"], capture_stdout=True, capture_stderr=True,
+                                       check=False)
+    assert taken.returncode == 0, taken.stderr.decode()[-2000:]
+    width, height, pixels = read_png(shot.read_bytes())
+    assert (width, height) == (1280, 900)  # --window-size
+    assert len(set(pixels)) > 16  # drawn: not a blank page in one colour
+    OUTPUT.mkdir(exist_ok=True)  # kept for a person to look at, copied only once checked
+    shutil.copyfile(shot, OUTPUT / "console-dashboard.png")
+
+
+def read_png(data: bytes) -> tuple[int, int, bytes]:
+    """A PNG's size and its decompressed scanlines (enough to tell a drawn page from an empty one)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    offset, size, image = 8, None, b""
+    while offset < len(data):
+        length = int.from_bytes(data[offset:offset + 4], "big")
+        kind = data[offset + 4:offset + 8]
+        chunk = data[offset + 8:offset + 8 + length]
+        if kind == b"IHDR":
+            size = (int.from_bytes(chunk[:4], "big"), int.from_bytes(chunk[4:8], "big"))
+        elif kind == b"IDAT":
+            image += chunk
+        offset += 12 + length
+    assert size is not None and image, "a PNG without IHDR or IDAT"
+    return size[0], size[1], zlib.decompress(image)
