@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -37,6 +38,9 @@ def stand_in_builder(shared_engine):
 
 
 def test_gate_measures_both_engines_and_activates_a_non_regressing_one(gate_home: Paths, shared_engine, monkeypatch):
+    """Both sides are measured for real; the binary is the same one, so with a generous tolerance the new engine
+    can only pass, and the test asserts that it was activated (the slower case is the next test)."""
+    gate_home.config.write_text("[engine]\nupdate_tolerance_pct = 80\n")
     monkeypatch.setattr(engine_update, "check", lambda paths: {
         "current": "b1-cpu", "current_version": "1", "latest_version": "2", "update_available": True})
     result = engine_update.update(gate_home, gate=True, progress=lambda *a: None, measure=quickbench.measure,
@@ -45,13 +49,11 @@ def test_gate_measures_both_engines_and_activates_a_non_regressing_one(gate_home
     assert gate["model"] == "smollm2:135m"
     for side in ("old", "new"):
         assert gate[side]["tg_tps"] > 1 and gate[side]["pp_tps"] > 1
-    assert gate["tolerance_pct"] == 5.0  # the config default
-    assert gate["passed"] == (min(gate["pp_ratio"], gate["tg_ratio"]) >= 0.95)
+    assert gate["tolerance_pct"] == 80.0  # read from config.toml
     assert gate["tg_ratio"] == pytest.approx(gate["new"]["tg_tps"] / gate["old"]["tg_tps"])
-    if gate["passed"]:
-        assert result["action"] == "activated" and Roster(gate_home).read().active == "b2-cpu"
-    else:
-        assert result["action"] == "kept" and Roster(gate_home).read().active == "b1-cpu"
+    assert gate["passed"] is True, gate
+    assert result["action"] == "activated" and result["new"] == "b2-cpu"
+    assert Roster(gate_home).read().active == "b2-cpu"
     rows = query(open_ledger(gate_home.ledger), "SELECT engine_tag, tg_tps FROM benchmarks ORDER BY id")
     assert [r["engine_tag"] for r in rows] == ["b1-cpu", "b2-cpu"]
 
@@ -84,3 +86,24 @@ def test_nothing_newer_means_nothing_built(gate_home: Paths, monkeypatch):
         raise AssertionError("built although nothing was newer")
     assert engine_update.update(gate_home, gate=True, progress=lambda *a: None, measure=quickbench.measure,
                                 build=never)["action"] == "none"
+
+
+async def test_engine_update_no_gate_activates_without_measuring(gate_home: Paths, shared_engine, monkeypatch,
+                                                                  capsys):
+    """`blazar engine update --no-gate --json`, run as the CLI command (in-process, so the index check and
+    the ten-minute compile can be stood in for): the new engine is activated and nothing is measured."""
+    from blazar.cli.main import cli
+
+    monkeypatch.setattr(engine_update, "check", lambda paths: {
+        "current": "b1-cpu", "current_version": "1", "latest_version": "2", "update_available": True})
+    monkeypatch.setitem(engine_update.update.__kwdefaults__, "build", stand_in_builder(shared_engine))
+
+    def never(*args, **kwargs):
+        raise AssertionError("--no-gate measured an engine")
+
+    monkeypatch.setattr(quickbench, "measure", never)
+    await cli.main(["engine", "update", "--no-gate", "--json"], standalone_mode=False)
+    [result] = [json.loads(line) for line in capsys.readouterr().out.splitlines() if '"result"' in line]
+    assert result["action"] == "activated" and result["new"] == "b2-cpu" and result["gate"] is None
+    assert Roster(gate_home).read().active == "b2-cpu"
+    assert query(open_ledger(gate_home.ledger), "SELECT engine_tag FROM benchmarks") == []
