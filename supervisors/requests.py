@@ -91,6 +91,7 @@ class SaveCompletion(Envelope, frozen=True, kw_only=True, tag="save_completion")
 class UpdateCompletion(Envelope, frozen=True, kw_only=True, tag="update_completion"):
     id: str
     metadata: dict
+    owner: str | None  # the key asking: only the key that created a completion changes its metadata
 
 
 
@@ -173,16 +174,16 @@ class RequestRegistry(MessageLoop):
                 while len(self.completions) > COMPLETION_CARDS:
                     self.completions.popitem(last=False)
                 return None
-            case UpdateCompletion(id=card_id, metadata=metadata):
+            case UpdateCompletion(id=card_id, metadata=metadata, owner=owner):
                 card = self.completions.get(card_id)
-                if card is None:
+                if card is None or card.get("key") != owner:  # another key's completion: not there, for it
                     return Err("completion_not_found",
                                f"no stored completion {card_id}: only non-stream completions created with a "
                                f"`metadata` object are kept, and only the last {COMPLETION_CARDS}",
                                hint="create the completion with \"metadata\": {...} and stream false", status=404)
                 card["metadata"] = metadata
                 self.completions.move_to_end(card_id)
-                return Ok(dict(card))
+                return Ok({name: value for name, value in card.items() if name != "key"})  # its owner stays private
         return Err("unknown_op", f"request registry does not understand {type(message).__name__}")
 
     def _join(self, key: str) -> trio.MemoryReceiveChannel | None:
@@ -239,6 +240,7 @@ class RequestsClient:
     def save_completion(self, card: dict[str, Any]) -> None:
         tell(self.mailbox, SaveCompletion(card=card))
 
-    async def update_completion(self, card_id: str, metadata: dict[str, str]) -> dict[str, Any]:
-        return await call(self.mailbox, lambda r: UpdateCompletion(reply=r, id=card_id, metadata=metadata))
+    async def update_completion(self, card_id: str, metadata: dict[str, str], owner: str | None) -> dict[str, Any]:
+        return await call(self.mailbox, lambda r: UpdateCompletion(reply=r, id=card_id, metadata=metadata,
+                                                                   owner=owner))
 

@@ -10,6 +10,7 @@ from quart import Blueprint, Response, current_app, request
 
 from blazar.keys import KeyChangeError, check_new_key
 from dialects.edge import Refusal
+from dialects.roles import Role, role
 from supervisors.actor import ActorError, ActorUnavailable
 
 blueprint = Blueprint("keys", __name__)
@@ -63,6 +64,7 @@ async def _ask(work: Any) -> Response:
 
 
 @blueprint.get("/api/keys")
+@role(Role.ADMIN)
 async def list_keys():
     async def work() -> Response:
         services = current_app.services
@@ -82,6 +84,7 @@ async def list_keys():
 
 
 @blueprint.post("/api/keys")
+@role(Role.ADMIN)
 async def add_key():
     async def work() -> Response:
         try:
@@ -98,6 +101,7 @@ async def add_key():
 
 
 @blueprint.delete("/api/keys")
+@role(Role.ADMIN)
 async def remove_key():
     async def work() -> Response:
         return _json(await current_app.services.registry.remove_key(_name_arg()))
@@ -106,6 +110,7 @@ async def remove_key():
 
 
 @blueprint.post("/api/keys/rotate")
+@role(Role.ADMIN)
 async def rotate_key():
     async def work() -> Response:
         rotated = await current_app.services.registry.rotate_key(_name_arg())

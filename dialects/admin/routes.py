@@ -14,6 +14,7 @@ from quart import Blueprint, Response, current_app, request
 
 from blazar.sysinfo import meminfo
 from dialects.edge import Refusal, num_ctx_header, residents
+from dialects.roles import Role, caller_is_admin, require_scope, role
 from supervisors.actor import ActorError
 
 blueprint = Blueprint("admin", __name__)
@@ -27,6 +28,7 @@ CONSOLE = (Path(__file__).parent / "console.html").read_bytes()
 
 
 @blueprint.get("/ui")
+@role(Role.KEY)
 async def console():
     """The web console: one self-contained page (no CDN, no external references)."""
     return Response(CONSOLE, content_type="text/html; charset=utf-8",
@@ -35,13 +37,30 @@ async def console():
 
 
 @blueprint.get("/metrics")
+@role(Role.KEY)
 async def metrics():
     services = current_app.services
     services.obs.set_residents(await residents(services))
-    return Response(services.obs.exposition(), content_type="text/plain; version=0.0.4; charset=utf-8")
+    exposition = services.obs.exposition()
+    if not caller_is_admin(request.scope):
+        exposition = without_key_series(exposition)
+    return Response(exposition, content_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+PER_KEY_FAMILIES = (b"blazar_key_",)
+
+
+def without_key_series(exposition: bytes) -> bytes:
+    """The metrics without the per-key families (their HELP and TYPE lines too): a scoped key sees the
+    gateway, not what other keys do. Its own usage is in /api/quantiles."""
+    kept = [line for line in exposition.split(b"\n")
+            if not any(line.startswith(family) or line.startswith(b"# HELP " + family)
+                       or line.startswith(b"# TYPE " + family) for family in PER_KEY_FAMILIES)]
+    return b"\n".join(kept)
 
 
 @blueprint.get("/api/quantiles")
+@role(Role.KEY)
 async def quantiles():
     services = current_app.services
     usage = await services.admission.usage() if services.admission.gate.table.enabled else {}
@@ -74,22 +93,26 @@ def _event_stream(kinds: set[str] | None, greeting: bytes) -> Response:
 
 
 @blueprint.get("/api/events")
+@role(Role.KEY)
 async def events():
     """Every lifecycle event: spawn, evict, crash, refused (admission 503/507)."""
     return _event_stream(None, b": connected to blazar events\n\n")
 
 
 @blueprint.get("/api/watch")
+@role(Role.KEY)
 async def watch():
     """The live tail of what needs attention: crashes and admission refusals (each with its fix)."""
     return _event_stream({"crash", "refused"}, b": watching for crashes and refusals\n\n")
 
 
 @blueprint.get("/api/explain/<path:model>")
+@role(Role.KEY)
 async def explain(model: str):
     try:
         raw = request.args.get("num_ctx")
         num_ctx = int(raw) if raw and raw.isdigit() else num_ctx_header(request.headers)
+        require_scope(model)
         card = await current_app.services.lane.explain(model, num_ctx)
     except Refusal as error:
         return Response(msgspec.json.encode({"error": error.message}), status=error.status,
@@ -150,6 +173,7 @@ async def rpc_worker_lines(services: Any) -> list[dict[str, Any]]:
 
 
 @blueprint.get("/api/capacity")
+@role(Role.KEY)
 async def capacity():
     devices, note = await trio.to_thread.run_sync(gpu_census)
     rows = await residents(current_app.services)
@@ -164,6 +188,7 @@ async def capacity():
 
 
 @blueprint.get("/api/fabric")
+@role(Role.KEY)
 async def fabric():
     from blazar.engines import Roster
 
@@ -188,6 +213,7 @@ async def fabric():
 
 
 @blueprint.get("/api/benchmarks")
+@role(Role.KEY)
 async def benchmarks():
     rows = await current_app.services.ledger.query(
         "SELECT model, engine_tag, MAX(ts) AS measured, pp_tps, tg_tps, detail FROM benchmarks "

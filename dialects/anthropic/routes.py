@@ -10,6 +10,7 @@ from quart import Blueprint, Response, current_app, request
 
 from dialects.chat_core import StreamBroken
 from dialects.edge import Refusal, count_input_tokens, json_body, refuse
+from dialects.roles import Role, role
 from dialects.session import chat_session
 from dialects.wire import RequestError
 
@@ -20,6 +21,7 @@ blueprint = Blueprint("anthropic", __name__)
 
 
 @blueprint.post("/v1/messages")
+@role(Role.KEY)
 async def messages():
     try:
         body = await json_body()
@@ -115,6 +117,7 @@ async def _events(model: str, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIte
 
 
 @blueprint.post("/v1/messages/count_tokens")
+@role(Role.KEY)
 async def count_tokens():
     try:
         body = await json_body()

@@ -11,17 +11,28 @@ from quart import Blueprint, Response, current_app, request
 
 from dialects.edge import Refusal, forward, json_reply, sse_response, unload_anywhere
 from dialects.openai.routes import openai_error_frame
+from dialects.roles import Role, role
 from dialects.wire import ChatStreamRewriter
 from supervisors.instance import UpstreamCall, UpstreamReply
 
 blueprint = Blueprint("native_engine", __name__)
 
 
-async def target_model() -> str:
+async def target_model(*, resident_only: bool = False) -> str:
+    """The model a llama.cpp-native request is for. `resident_only` (the GET routes): a model that is
+    already loaded, never one to spawn: a browser sends a cross-site GET from an <img> tag without asking,
+    so a GET must not start engines."""
     chosen = request.headers.get("x-blazar-model") or request.args.get("model")
-    if chosen:
+    if chosen and not resident_only:
         return chosen
     live = [row for row in await current_app.services.lane.ps() if row.get("state") in ("ready", "busy")]
+    if chosen:
+        if any(row["model"] == chosen for row in live):
+            return chosen
+        names = ", ".join(sorted(row["model"] for row in live)) or "none"
+        raise Refusal(409, f"GET {request.path} answers only for a loaded model, and {chosen} is not loaded "
+                      f"(loaded: {names}); a GET never loads one",
+                      hint=f'load it first: POST /api/warm {{"model": "{chosen}"}}, or any request to it')
     if len(live) == 1:
         return live[0]["model"]
     if not live:
@@ -34,7 +45,7 @@ async def target_model() -> str:
 
 async def _native(path: str, method: str = "POST", *, stream_ok: bool = False):
     try:
-        model = await target_model()
+        model = await target_model(resident_only=method == "GET")
         raw = await request.get_data() if method == "POST" else b""
         stream = False
         if stream_ok and raw:
@@ -52,52 +63,62 @@ async def _native(path: str, method: str = "POST", *, stream_ok: bool = False):
 
 
 @blueprint.post("/tokenize")
+@role(Role.KEY)
 async def tokenize():
     return await _native("/tokenize")
 
 
 @blueprint.post("/detokenize")
+@role(Role.KEY)
 async def detokenize():
     return await _native("/detokenize")
 
 
 @blueprint.post("/apply-template")
+@role(Role.KEY)
 async def apply_template():
     return await _native("/apply-template")
 
 
 @blueprint.post("/infill")
+@role(Role.KEY)
 async def infill():
     return await _native("/infill", stream_ok=True)
 
 
 @blueprint.post("/completion")
+@role(Role.KEY)
 async def completion():
     return await _native("/completion", stream_ok=True)
 
 
 @blueprint.post("/embeddings")
+@role(Role.KEY)
 async def native_embeddings():
     return await _native("/embeddings")
 
 
 @blueprint.post("/rerank")
 @blueprint.post("/reranking")
+@role(Role.KEY)
 async def native_rerank():
     return await _native("/rerank")
 
 
 @blueprint.get("/props")
+@role(Role.KEY)
 async def props():
     return await _native("/props", "GET")
 
 
 @blueprint.get("/slots")
+@role(Role.ADMIN)
 async def slots():
     return await _native("/slots", "GET")
 
 
 @blueprint.post("/slots/<int:slot_id>")
+@role(Role.ADMIN)
 async def slot_action(slot_id: int):
     action = request.args.get("action")
     if action not in ("save", "restore", "erase"):
@@ -106,6 +127,7 @@ async def slot_action(slot_id: int):
 
 
 @blueprint.post("/api/ps/reset")
+@role(Role.ADMIN)
 async def ps_reset():
     services = current_app.services
     cleared = []
@@ -115,6 +137,7 @@ async def ps_reset():
 
 
 @blueprint.post("/api/evict")
+@role(Role.ADMIN)
 async def evict():
     raw = await request.get_data()
     try:

@@ -26,6 +26,7 @@ from dialects.edge import (
     residents,
     submit,
 )
+from dialects.roles import Role, role
 from dialects.wire import RequestError, require_model
 from supervisors.actor import ActorError, ActorUnavailable
 from supervisors.instance import UpstreamCall
@@ -39,6 +40,7 @@ REPLICATE_MAX_SECS = 900
 
 
 @blueprint.post("/api/warm")
+@role(Role.KEY)
 async def warm():
     """Detached by default (the lane starts loading, the answer is at once); `"wait": true` answers once the
     model serves, with its lane, engine and load time. A load takes no request slot, so it never starves
@@ -71,6 +73,7 @@ async def warm():
 
 
 @blueprint.post("/api/replicate")
+@role(Role.ADMIN)
 async def replicate():
     """Warm a model on peers (named, or every remote), concurrently, each bounded; results verbatim."""
     services = current_app.services
@@ -136,6 +139,7 @@ def _peers_arg(services: Any, raw: Any) -> list[str]:
 
 
 @blueprint.get("/api/route/<path:model>")
+@role(Role.KEY)
 async def route(model: str):
     services = current_app.services
     peers = await services.remotes.describe_all() if services.remotes is not None else []
@@ -234,6 +238,7 @@ def _no_chains(services: Any) -> None:
 
 
 @blueprint.get("/api/failover")
+@role(Role.KEY)
 async def failover_list():
     services = current_app.services
     if services.failover is None:
@@ -253,11 +258,13 @@ async def _chain_call(work) -> Any:
 
 
 @blueprint.get("/api/failover/<chain>")
+@role(Role.KEY)
 async def failover_show(chain: str):
     return await _chain_call(lambda failover: failover.show(chain))
 
 
 @blueprint.post("/api/failover/<chain>/pin")
+@role(Role.ADMIN)
 async def failover_pin(chain: str):
     try:
         body = await json_body()
@@ -271,5 +278,6 @@ async def failover_pin(chain: str):
 
 
 @blueprint.post("/api/failover/<chain>/unpin")
+@role(Role.ADMIN)
 async def failover_unpin(chain: str):
     return await _chain_call(lambda failover: failover.pin(chain, None))

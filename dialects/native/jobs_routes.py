@@ -11,6 +11,7 @@ import trio
 from quart import Blueprint, Response, current_app, request
 
 from dialects.edge import Refusal, json_response, limit_arg, refuse, viewer
+from dialects.roles import Role, role
 from supervisors.jobs import TERMINAL, job_view
 
 blueprint = Blueprint("jobs", __name__)
@@ -23,6 +24,7 @@ def _missing(job_id: str) -> Response:
 
 
 @blueprint.get("/v1/jobs")
+@role(Role.KEY)
 async def list_jobs():
     args = request.args
     state, kind = args.get("state"), args.get("kind")
@@ -37,12 +39,14 @@ async def list_jobs():
 
 
 @blueprint.get("/v1/jobs/<job_id>")
+@role(Role.KEY)
 async def get_job(job_id: str):
     row = await current_app.services.jobs.get(job_id, viewer())
     return _missing(job_id) if row is None else json_response(job_view(row))
 
 
 @blueprint.post("/v1/jobs/<job_id>/cancel")
+@role(Role.KEY)
 async def cancel_job(job_id: str):
     """Idempotent: a finished job is answered as it is; a live one is cancelled (its task stops)."""
     jobs = current_app.services.jobs
@@ -57,6 +61,7 @@ async def cancel_job(job_id: str):
 
 
 @blueprint.get("/v1/jobs/<job_id>/events")
+@role(Role.KEY)
 async def job_events(job_id: str):
     jobs = current_app.services.jobs
     if await jobs.get(job_id, viewer()) is None:
@@ -65,6 +70,7 @@ async def job_events(job_id: str):
 
 
 @blueprint.get("/v1/jobs/<job_id>/artifact")
+@role(Role.KEY)
 async def job_artifact(job_id: str):
     row = await current_app.services.jobs.get(job_id, viewer())
     if row is None:

@@ -10,8 +10,12 @@ RESPONSE_HEADERS = ["x-blazar-trace-id", "x-blazar-remote", "x-blazar-failover",
 
 
 def build_manifest(*, version: str, census: list[tuple[str, str]], dialect_of: Callable[[str], str],
-                   engine: dict[str, Any] | None, keys_enabled: bool, remotes: bool = False) -> dict[str, Any]:
-    endpoints = [{"method": method, "path": path, "api": dialect_of(path)} for method, path in census]
+                   engine: dict[str, Any] | None, keys_enabled: bool, remotes: bool = False,
+                   roles: dict[tuple[str, str], str] | None = None) -> dict[str, Any]:
+    """`roles`: who may call each route (open, key, admin: dialects/roles.py)."""
+    roles = roles or {}
+    endpoints = [{"method": method, "path": path, "api": dialect_of(path), "role": roles.get((method, path), "admin")}
+                 for method, path in census]
     apis: dict[str, int] = {}
     for endpoint in endpoints:
         apis[endpoint["api"]] = apis.get(endpoint["api"], 0) + 1

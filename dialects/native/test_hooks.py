@@ -10,11 +10,13 @@ import trio
 from quart import Blueprint, request
 
 from dialects.edge import json_response
+from dialects.roles import Role, role
 
 blueprint = Blueprint("test_hooks", __name__)
 
 
 @blueprint.post("/__test__/slow")
+@role(Role.KEY)
 async def slow():
     milliseconds = int(request.args.get("ms", "1000"))
     body = await request.get_data()

@@ -17,6 +17,7 @@ from blazar.sysinfo import gpu_memory_by_pid
 from dialects.chat_core import ChatResult, StreamBroken, ToolCallAccumulator, completion_result
 from dialects.edge import (
     Refusal,
+    admit_request,
     ensure_model,
     forward,
     json_body,
@@ -27,6 +28,7 @@ from dialects.edge import (
     submit,
     unload_anywhere,
 )
+from dialects.roles import Role, require_admin, require_scope, role
 from dialects.session import RequestSession, chat_session, flight_key
 from dialects.wire import RequestError
 from supervisors.actor import ActorError
@@ -116,11 +118,13 @@ def _details(manifest: Any) -> dict[str, Any]:
 
 
 @blueprint.get("/api/version")
+@role(Role.KEY)
 async def version():
     return _json({"version": __version__})
 
 
 @blueprint.get("/api/tags")
+@role(Role.KEY)
 async def tags():
     from blazar.engines import Roster
 
@@ -134,10 +138,12 @@ async def tags():
 
 
 @blueprint.post("/api/show")
+@role(Role.KEY)
 async def show():
     try:
         body = await json_body()
         name = t.require_model(body)
+        require_scope(name)
     except (RequestError, Refusal) as error:
         return refuse(error)
     from blazar.store import StoreError
@@ -163,6 +169,7 @@ async def show():
 
 @blueprint.delete("/api/delete")
 @blueprint.post("/api/delete")
+@role(Role.ADMIN)
 async def delete():
     try:
         body = await json_body()
@@ -175,6 +182,7 @@ async def delete():
 
 
 @blueprint.post("/api/copy")
+@role(Role.ADMIN)
 async def copy():
     try:
         body = await json_body()
@@ -190,6 +198,7 @@ async def copy():
 
 
 @blueprint.get("/api/ps")
+@role(Role.KEY)
 async def ps():
     """Ollama's shape, plus Blazar's own fields (slots, ports, in-flight, keep-alive countdown, engine)."""
     rows = await residents(current_app.services)
@@ -227,6 +236,7 @@ async def run_pull(services: Any, ctx: JobContext) -> dict[str, Any]:
 
 
 @blueprint.post("/api/pull")
+@role(Role.ADMIN)
 async def pull():
     """A mailbox: the pull runs as a job (the registry actor does the work); this route relays its progress."""
     services = current_app.services
@@ -396,7 +406,10 @@ async def _load_or_unload(body: dict[str, Any], model: str, options: t.OptionsRe
     kind = "message" if "messages" in body else "response"
     if keep_alive == 0:
         try:
+            require_admin("unloading a model (an empty request with keep_alive 0)")
             await unload_anywhere(services, model)
+        except Refusal as error:
+            return refuse(error)
         except ActorError as error:
             if error.err.status != 404:
                 return _error(error.err.status, error.err.message)
@@ -404,6 +417,7 @@ async def _load_or_unload(body: dict[str, Any], model: str, options: t.OptionsRe
     else:
         try:
             require_local(services, model, "loading with an empty request")
+            await admit_request(services, model)  # the key's scope and rate, as for any generation
             handle = await ensure_model(services, model, request.headers, options.num_ctx, options.spawn, fresh=True)
             await submit(services, handle, UpstreamCall(method="GET", path=handle.lane.health_path), request.headers,
                          keep_alive=keep_alive)
@@ -415,11 +429,13 @@ async def _load_or_unload(body: dict[str, Any], model: str, options: t.OptionsRe
 
 
 @blueprint.post("/api/chat")
+@role(Role.KEY)
 async def chat():
     return await _chat_like("chat")
 
 
 @blueprint.post("/api/generate")
+@role(Role.KEY)
 async def generate():
     return await _chat_like("generate")
 
@@ -454,16 +470,19 @@ async def _embed(legacy: bool):
 
 
 @blueprint.post("/api/embed")
+@role(Role.KEY)
 async def embed():
     return await _embed(legacy=False)
 
 
 @blueprint.post("/api/embeddings")
+@role(Role.KEY)
 async def embeddings():
     return await _embed(legacy=True)
 
 
 @blueprint.post("/api/rerank")
+@role(Role.KEY)
 async def rerank():
     try:
         body = await json_body()

@@ -6,6 +6,7 @@ import msgspec
 from quart import Blueprint, Response, current_app, request
 
 from dialects.edge import Refusal, viewer
+from dialects.roles import Role, role
 from supervisors.actor import ActorError
 
 blueprint = Blueprint("requests", __name__)
@@ -16,6 +17,7 @@ def _json(payload) -> Response:
 
 
 @blueprint.get("/v1/requests")
+@role(Role.KEY)
 async def list_requests():
     state = request.args.get("state")
     if state is not None and state not in ("queued", "running", "done", "cancelled", "interrupted", "disconnected",
@@ -27,6 +29,7 @@ async def list_requests():
 
 
 @blueprint.get("/v1/requests/<card_id>")
+@role(Role.KEY)
 async def get_request(card_id: str):
     try:
         return _json(await current_app.services.requests.get(card_id, viewer()))
@@ -35,11 +38,13 @@ async def get_request(card_id: str):
 
 
 @blueprint.post("/v1/requests/<card_id>/cancel")
+@role(Role.KEY)
 async def cancel_request(card_id: str):
     return await _signal(card_id, "cancel")
 
 
 @blueprint.post("/v1/requests/<card_id>/interrupt")
+@role(Role.KEY)
 async def interrupt_request(card_id: str):
     return await _signal(card_id, "interrupt")
 

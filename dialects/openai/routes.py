@@ -10,7 +10,8 @@ import trio
 from quart import Blueprint, Response, current_app, request
 
 from dialects.chat_core import ChatResult, StreamBroken, completion_result, run_chat
-from dialects.edge import Refusal, count_input_tokens, forward, json_body, json_reply, refuse, residents
+from dialects.edge import Refusal, count_input_tokens, forward, json_body, json_reply, owner, refuse, residents
+from dialects.roles import Role, role
 from dialects.session import RequestSession, flight_key
 from dialects.wire import ChatStreamRewriter, RequestError, check_choices, require_model
 from lanes import lane_for
@@ -39,6 +40,7 @@ def cancel_frame(message: str) -> bytes:
 
 
 @blueprint.post("/v1/chat/completions")
+@role(Role.KEY)
 async def chat_completions():
     """A mailbox: validate, then the canonical chat call inside a request session; relay its answer."""
     services = current_app.services
@@ -63,7 +65,7 @@ async def chat_completions():
         if metadata is not None and payload.get("id"):
             services.requests.save_completion({"id": payload["id"], "object": "chat.completion",
                                                "created": payload.get("created"), "model": payload.get("model"),
-                                               "metadata": metadata})
+                                               "metadata": metadata, "key": owner()})
         return Response(msgspec.json.encode(payload), headers=headers, content_type="application/json")
     if result.chunks is not None:  # a forced tool call, replayed as chunks
         return _chunk_frames(result.chunks, headers)
@@ -88,13 +90,14 @@ def _chunk_frames(chunks: AsyncIterator[dict[str, Any]], headers: dict[str, str]
 
 
 @blueprint.post("/v1/chat/completions/<completion_id>")
+@role(Role.KEY)
 async def update_completion(completion_id: str):
     try:
         body = await json_body()
         metadata = check_metadata(body, required=True)
     except (RequestError, Refusal) as error:
         return refuse(error)
-    card = await current_app.services.requests.update_completion(completion_id, metadata)  # refusals: app.py
+    card = await current_app.services.requests.update_completion(completion_id, metadata, owner())  # refusals: app.py
     return Response(msgspec.json.encode(card), content_type="application/json")
 
 
@@ -111,6 +114,7 @@ async def _passthrough(path: str):
 
 
 @blueprint.post("/v1/completions")
+@role(Role.KEY)
 async def completions():
     """Text completion inside a request session, relayed as the engine's bytes when streamed."""
     services = current_app.services
@@ -137,17 +141,20 @@ async def completions():
 
 
 @blueprint.post("/v1/embeddings")
+@role(Role.KEY)
 async def embeddings():
     return await _passthrough("/v1/embeddings")
 
 
 @blueprint.post("/v1/rerank")
 @blueprint.post("/v1/reranking")
+@role(Role.KEY)
 async def rerank():
     return await _passthrough("/v1/rerank")
 
 
 @blueprint.post("/v1/chat/completions/input_tokens")
+@role(Role.KEY)
 async def chat_input_tokens():
     try:
         body = await json_body()
@@ -161,6 +168,7 @@ async def chat_input_tokens():
 
 @blueprint.post("/v1/responses/input_tokens")
 @blueprint.post("/responses/input_tokens")
+@role(Role.KEY)
 async def responses_input_tokens():
     try:
         body = await json_body()
@@ -205,6 +213,7 @@ def speech_models(paths: Any) -> list[dict[str, Any]]:
 
 
 @blueprint.get("/v1/models")
+@role(Role.KEY)
 async def models():
     services = current_app.services
     from blazar.store import Store
