@@ -92,6 +92,12 @@ class Lane(Protocol):
     def final_event(self, tail: bytes) -> dict[str, Any]:
         """The final event of a stream (the last bytes of it) that carries the usage, or {}."""
 
+    def metered(self, body: bytes) -> bytes:
+        """A streamed generation's body asking the engine to report its running token counts in every event,
+        so that a stream cut short (a hang-up, a cancel) is charged for what was generated; the body unchanged
+        where the engine has no such option (the cut stream is then charged an estimate, see
+        supervisors.instance.cut_stream_tokens)."""
+
     def error_text(self, body: bytes) -> str:
         """The engine's own message from an error body."""
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,6 +136,12 @@ def normalize_spawn_options(options: dict[str, Any]) -> tuple[tuple[str, Any], .
                                   fix=f'e.g. "options": {{"{key}": 4}}')
             if value == 0 and key in ("num_thread", "main_gpu"):
                 continue  # num_thread 0 is Ollama's "let the runtime decide"; GPU 0 is the default
+            cores = os.cpu_count() or 1
+            if key == "num_thread" and value > cores:
+                raise PlanRefused(f"options.num_thread is {value}, but this machine has {cores} CPU cores: more "
+                                  "threads than cores only slow every model down",
+                                  fix=f'ask for at most {cores} (or 0: the engine decides), e.g. "options": '
+                                  f'{{"num_thread": {cores}}}')
         elif key in ("use_mlock", "use_mmap", "numa"):
             if not isinstance(value, bool):
                 raise PlanRefused(f"options.{key} must be true or false, got {value!r}")
@@ -282,6 +289,11 @@ class LlamaCppLane:
                               f"({engine.tag}) has no --reasoning-budget",
                               fix=f"update the engine (blazar engine update) or unset it: blazar config unset "
                               f"'models.\"{manifest.name}\".reasoning_budget'", status=409)
+        batch = dict(spawn_options).get("num_batch")
+        if batch is not None and batch > context:
+            raise PlanRefused(f"options.num_batch is {batch}, larger than {manifest.name}'s context of {context} "
+                              "tokens: a batch never holds more than the context",
+                              fix=f'ask for at most {context}, e.g. "options": {{"num_batch": {min(512, context)}}}')
         rpc = rpc_workers_of(config, manifest, engine.tag, help_text)
         template_file = None
         if manifest.template:
@@ -360,6 +372,15 @@ class LlamaCppLane:
 
     def decode(self, body: bytes) -> dict[str, Any]:
         return _decode_or_empty(body)
+
+    def metered(self, body: bytes) -> bytes:
+        """`timings_per_token`: llama-server then puts its running `timings` (prompt_n, cache_n, predicted_n)
+        in every streamed event, not only the last, so the last event a cut stream relayed holds its count."""
+        payload = _decode_or_empty(body)
+        if not payload or payload.get("timings_per_token") is not None:
+            return body  # not JSON we can extend, or the client chose for itself
+        payload["timings_per_token"] = True
+        return msgspec.json.encode(payload)
 
     def error_text(self, body: bytes) -> str:
         return engine_error_text(body)

@@ -61,6 +61,13 @@ def addressed(path: str, body: bytes, model: str) -> tuple[bytes, list[tuple[byt
     return body, []
 
 
+def metered(kind: str, path: str, body: bytes) -> bytes:
+    """A streamed generation's body for the peer: a Blazar peer relays it to its llama-server, which then
+    reports running token counts in every event (so a cut stream is charged what was generated there); other
+    kinds may refuse an unknown field, so their cut streams are charged the estimate."""
+    return _COUNTER.metered(body) if kind == "blazar" and path in GENERATION_PATHS else body
+
+
 def usage_total(path: str, body: bytes | None = None, tail: bytes | None = None) -> int:
     """Prompt + completion tokens the peer reported (0 when it reported none)."""
     if path not in GENERATION_PATHS:

@@ -51,6 +51,9 @@ class SpeechLane:
     def usage(self, payload: dict[str, Any]) -> Usage:
         return NO_USAGE
 
+    def metered(self, body: bytes) -> bytes:
+        return body  # charged per request: nothing to count
+
     def final_event(self, tail: bytes) -> dict[str, Any]:
         return {}
 

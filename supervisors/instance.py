@@ -205,23 +205,40 @@ _tickets = itertools.count(1)
 _serials = itertools.count(1)
 
 
-async def pump_stream(response: httpcore.Response, send: trio.MemorySendChannel
-                      ) -> tuple[bytes, float | None, BaseException | None]:
-    """Relay an upstream body into a stream channel as it arrives. Returns its last 8 KiB (where the usage
-    is), the seconds to its first chunk, and the transport error that broke it (None when it ended cleanly).
-    A caller that stopped reading raises trio's Broken/ClosedResourceError out of here."""
+@dataclass
+class StreamSeen:
+    """What a relay has seen of one stream: enough to time it, and to charge it if it is cut short."""
+
+    tail: bytes = b""  # its last 8 KiB: where the engine's (running or final) usage is
+    events: int = 0  # `data:` events relayed
+    first_chunk: float | None = None  # seconds from the request to its first chunk
+
+
+async def pump_stream(response: httpcore.Response, send: trio.MemorySendChannel,
+                      seen: StreamSeen) -> BaseException | None:
+    """Relay an upstream body into a stream channel as it arrives, noting in `seen` what passed. Returns the
+    transport error that broke it (None when it ended cleanly). A caller that stopped reading raises trio's
+    Broken/ClosedResourceError out of here."""
     started = trio.current_time()
-    first_chunk: float | None = None
-    tail = b""
     try:
         async for chunk in response.aiter_stream():
-            if first_chunk is None:
-                first_chunk = trio.current_time() - started
-            tail = (tail + chunk)[-8192:]
+            if seen.first_chunk is None:
+                seen.first_chunk = trio.current_time() - started
+            seen.tail = (seen.tail + chunk)[-8192:]
+            seen.events += chunk.count(b"data:")
             await send.send(StreamChunk(data=chunk))
     except TRANSPORT_ERRORS as error:
-        return tail, first_chunk, error
-    return tail, first_chunk, None
+        return error
+    return None
+
+
+def cut_stream_tokens(reported: int, seen: StreamSeen, request_body: bytes) -> int:
+    """What a stream cut short (the client hung up, or it was cancelled) is charged: the engine's own running
+    count when its events carry one (`reported`, read from the last event relayed), else an estimate that
+    never charges nothing: one token per event relayed plus the prompt at 4 bytes a token."""
+    if reported:
+        return reported
+    return seen.events + len(request_body) // 4
 
 
 def next_ticket() -> int:
@@ -619,6 +636,9 @@ class Instance:
         url = f"http://127.0.0.1:{self.port}{call.path}"
         lane = self.engine_lane
         assert self.http is not None
+        seen = StreamSeen()
+        if call.stream and waiter.on_usage is not None and call.path in lane.generation_paths:
+            call = msgspec.structs.replace(call, body=lane.metered(call.body))
         try:
             if not call.stream:
                 status, body, content_type = await self._request(call, url)
@@ -645,11 +665,17 @@ class Instance:
                     if not answer(waiter.reply, Ok(UpstreamStream(status=200, chunks=receive,
                                                                   queued_secs=queued_secs))):
                         return True  # the caller left before the first byte
-                    tail, first_chunk, broken = await pump_stream(response, send)
+                    try:
+                        broken = await pump_stream(response, send, seen)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        self._charge_cut(waiter, seen)  # the client hung up or was cancelled mid-stream
+                        raise
                     if broken is None:
                         if call.path in lane.generation_paths:
-                            self._observe(waiter, queued_secs, lane.final_event(tail), first_chunk=first_chunk)
+                            self._observe(waiter, queued_secs, lane.final_event(seen.tail),
+                                          first_chunk=seen.first_chunk)
                         return True
+                    self._charge_cut(waiter, seen)  # the engine broke: what it generated was still served
                     await trio.sleep(0.05)  # let the exit watcher and output drain see the crash
                     with contextlib.suppress(trio.BrokenResourceError):
                         await send.send(StreamFailure(message=self._broken(broken)))
@@ -683,6 +709,12 @@ class Instance:
         self.obs.generation(self.key, ttft=ttft, cold=waiter.cold, tpot=usage.per_token_secs, queued=queued,
                             prompt_tokens=usage.prompt, completion_tokens=usage.completion,
                             cached_tokens=usage.cached)
+
+    def _charge_cut(self, waiter: _Waiter, seen: StreamSeen) -> None:
+        if waiter.on_usage is None or waiter.call.path not in self.engine_lane.generation_paths:
+            return
+        reported = self.engine_lane.usage(self.engine_lane.final_event(seen.tail)).total
+        waiter.on_usage(cut_stream_tokens(reported, seen, waiter.call.body))
 
     def _broken(self, error: Exception) -> str:
         code = self.child.returncode if self.child else None

@@ -36,7 +36,16 @@ from lanes import remote as lane
 from lanes.child import TRANSPORT_ERRORS, header
 
 from .actor import Envelope, Err, MessageLoop, Ok, Reply, answer, call
-from .instance import StreamChunk, StreamFailure, UpstreamCall, UpstreamReply, UpstreamStream, pump_stream
+from .instance import (
+    StreamChunk,
+    StreamFailure,
+    StreamSeen,
+    UpstreamCall,
+    UpstreamReply,
+    UpstreamStream,
+    cut_stream_tokens,
+    pump_stream,
+)
 
 log = logging.getLogger("blazar.remotes")
 
@@ -248,6 +257,8 @@ class RemotePeer(MessageLoop):
     async def _relay_once(self, message: RemoteSubmit, path: str) -> tuple[bool, str]:
         assert self.pool is not None
         body, extra = lane.addressed(message.call.path, message.call.body, message.model)
+        if message.call.stream and message.on_usage is not None:
+            body = lane.metered(self.entry.kind, message.call.path, body)
         headers = self._headers(extra, message.headers, message.call.content_type if body else None)
         url = self.base + path
         usage = message.on_usage
@@ -277,14 +288,20 @@ class RemotePeer(MessageLoop):
                                                                    content_type=header(response, b"content-type")
                                                                    or "text/event-stream"))):
                         return True, ""
-                    tail, _first_chunk, broken = await pump_stream(response, send)
+                    seen = StreamSeen()
+                    try:
+                        broken = await pump_stream(response, send, seen)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        self._charge_cut(message, seen, body)  # the client hung up or was cancelled mid-stream
+                        raise
                     if broken is not None:
+                        self._charge_cut(message, seen, body)
                         text = self._failure_text(broken) + " in the middle of the stream"
                         with contextlib.suppress(trio.BrokenResourceError):
                             await send.send(StreamFailure(message=text))
                         return False, text
                     if usage is not None:
-                        usage(lane.usage_total(message.call.path, tail=tail))
+                        usage(lane.usage_total(message.call.path, tail=seen.tail))
                     return True, ""
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return True, ""  # the client hung up: leaving the `async with` closes the peer's request
@@ -295,6 +312,13 @@ class RemotePeer(MessageLoop):
                                       hint=f"is the peer up? check [[remotes]] {self.entry.name} url; "
                                       "GET /api/route/<model> shows its state"))
             return False, text
+
+    @staticmethod
+    def _charge_cut(message: RemoteSubmit, seen: StreamSeen, body: bytes) -> None:
+        """A peer's stream cut short is charged like a local one: the peer's running count when its events carry
+        one (a Blazar peer's llama-server does, asked through the body), else the estimate."""
+        if message.on_usage is not None and message.call.path in lane.GENERATION_PATHS:
+            message.on_usage(cut_stream_tokens(lane.usage_total(message.call.path, tail=seen.tail), seen, body))
 
     def _reply(self, status: int, body: bytes, content_type: str) -> UpstreamReply | Err:
         if status in (401, 403):
