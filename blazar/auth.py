@@ -105,6 +105,11 @@ class KeyGate:
         self.scrypt = trio.CapacityLimiter(1)
         self.scrypt_thread = trio.CapacityLimiter(1)
 
+    def weight_of(self, name: str | None) -> int:
+        """A key's fair-queueing share (1 for an unknown or removed key, and on an open gateway)."""
+        record = self.table.get(name) if name is not None else None
+        return record.weight if record is not None else 1
+
 
 def presented_secret(scope: Scope) -> str:
     authorization = header(scope, b"authorization")

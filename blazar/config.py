@@ -55,6 +55,8 @@ class KeyEntry(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     daily_tokens: int = 0
     max_concurrent: int = 0
     weight: int = 1
+    spawn_options: bool = False
+    """A scoped key may send Ollama spawn options (num_thread, num_batch, …) that restart a shared engine."""
 
 
 class ModelSettings(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
@@ -125,6 +127,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     whisper_stream_chunk_ms: int = 30_000
     realtime_idle_secs: float = 120.0
     realtime_max_secs: float = 600.0
+    realtime_sessions_per_key: int = 2
+    files_per_key: int = 100
+    file_storage_per_key_mib: int = 1024
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     models: dict[str, ModelSettings] = {}
     keys: list[KeyEntry] = []
@@ -159,6 +164,9 @@ KEY_DOCS: dict[str, str] = {
     "whisper_stream_chunk_ms": "window length of streamed transcriptions (stream=true), 1000-120000 ms",
     "realtime_idle_secs": "a /v1/realtime session with no client event for this long is closed",
     "realtime_max_secs": "the longest a /v1/realtime session may last",
+    "realtime_sessions_per_key": "open /v1/realtime sessions one API key may hold (0 = no cap)",
+    "files_per_key": "files (POST /v1/files) one API key may keep stored (0 = no cap)",
+    "file_storage_per_key_mib": "bytes of stored files one API key may keep, in MiB (0 = no cap)",
     "engine.retention": "engines kept by `engine prune` besides the active one",
     "engine.update_tolerance_pct": "largest tokens/s regression `engine update` accepts",
     "models.<name>.num_ctx": "context length for that model",
@@ -389,6 +397,9 @@ def _check_semantics(config: Config, source: str) -> None:
                         ("audio_idle_secs", config.audio_idle_secs),
                         ("realtime_idle_secs", config.realtime_idle_secs),
                         ("realtime_max_secs", config.realtime_max_secs),
+                        ("realtime_sessions_per_key", config.realtime_sessions_per_key),
+                        ("files_per_key", config.files_per_key),
+                        ("file_storage_per_key_mib", config.file_storage_per_key_mib),
                         ("engine.retention", config.engine.retention)):
         if number < 0:
             raise ConfigError(f"{source}: {key} is {number}; it must not be negative",

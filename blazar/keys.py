@@ -136,6 +136,7 @@ class KeyRecord:
     daily_tokens: int = 0
     max_concurrent: int = 0
     weight: int = 1
+    spawn_options: bool = False  # may send Ollama spawn options that restart a shared engine (admins always may)
     prefix: str = ""
     secret: str = field(default="", repr=False)  # plaintext entries only
     secret_hash: str = field(default="", repr=False)
@@ -159,6 +160,7 @@ class KeyRecord:
         """What `GET /api/keys` shows: never the secret."""
         return {"name": self.name, "secret": redacted(self.prefix), "source": self.source,
                 "models": list(self.models), **self.limits(), "weight": self.weight,
+                "spawn_options": self.spawn_options or self.admin,
                 "stored_as": "hash" if self.secret_hash else "plaintext" if self.source == "config" else self.source}
 
 
@@ -224,6 +226,7 @@ def records_from_config(entries: list[Any], environ: dict[str, str] | None = Non
     """Config `[[keys]]` entries (KeyEntry structs) plus `BLAZAR_KEYS`."""
     records = [KeyRecord(name=e.name, source="config", models=tuple(e.models), rpm=e.rpm, tpm=e.tpm,
                          daily_tokens=e.daily_tokens, max_concurrent=e.max_concurrent, weight=e.weight,
+                         spawn_options=e.spawn_options,
                          prefix=e.prefix or display_prefix(e.secret), secret=e.secret, secret_hash=e.secret_hash,
                          lookup=e.lookup)
                for e in entries]
@@ -296,10 +299,10 @@ def check_new_key(body: dict[str, Any]) -> dict[str, Any]:
         raise KeyChangeError(400, f"`name`: {reserved_name_message(name)}",
                              fix=f'pick another name (not {LOCAL_KEY_NAME} and not starting with {ENV_NAME_PREFIX}), '
                              'e.g. {"name": "laptop"}')
-    unknown = sorted(set(body) - {"name", "models", "weight", *LIMIT_FIELDS})
+    unknown = sorted(set(body) - {"name", "models", "weight", "spawn_options", *LIMIT_FIELDS})
     if unknown:
         raise KeyChangeError(400, f"unknown field(s) {', '.join(unknown)}; a key takes name, models, weight, "
-                        f"{', '.join(LIMIT_FIELDS)}", fix="remove them")
+                        f"spawn_options, {', '.join(LIMIT_FIELDS)}", fix="remove them")
     entry: dict[str, Any] = {"name": name}
     models = body.get("models", [])
     if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
@@ -320,6 +323,12 @@ def check_new_key(body: dict[str, Any]) -> dict[str, Any]:
                         fix='e.g. "weight": 2')
     if weight != 1:
         entry["weight"] = weight
+    spawn_options = body.get("spawn_options", False)
+    if not isinstance(spawn_options, bool):
+        raise KeyChangeError(400, f"`spawn_options` must be true or false (may this key send Ollama spawn options "
+                             f"that restart a shared engine), got {spawn_options!r}", fix='e.g. "spawn_options": true')
+    if spawn_options:
+        entry["spawn_options"] = True
     return entry
 
 

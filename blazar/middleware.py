@@ -91,8 +91,23 @@ class RequestLog:
             if self.obs is not None and status:
                 from blazar.errors import dialect_for_path
 
-                self.obs.request(scope["path"], dialect_for_path(scope["path"]), scope.get("blazar.model", ""),
-                                 status, elapsed)
+                self.obs.request(metrics_route(scope), dialect_for_path(scope["path"]),
+                                 scope.get("blazar.model") or "", status, elapsed)
+
+
+# What a request's metrics are labelled with when no route template is known: the layer that refused it
+# before routing (`blazar.refused`), else `unmatched`. A fixed set, so no client can mint a series.
+REFUSAL_LABELS = frozenset({"host", "origin", "fetch_site", "auth", "auth_throttled", "body_limit"})
+
+
+def metrics_route(scope: Scope) -> str:
+    """The route label: the matched rule's template (`/v1/jobs/<job_id>`, set by the app before its view
+    runs), never the raw path."""
+    route = scope.get("blazar.route")
+    if isinstance(route, str) and route:
+        return route
+    refused = scope.get("blazar.refused")
+    return f"refused:{refused}" if refused in REFUSAL_LABELS else "unmatched"
 
 
 def _wildcard(pattern: str) -> re.Pattern[str]:
@@ -187,6 +202,7 @@ class HostGuard:
                            " (a foreign Host is how DNS-rebinding pages reach local servers). Behind a reverse "
                            f"proxy, allow it: blazar config set allowed_hosts '[\"{_split_port(host)}\"]' "
                            "(or BLAZAR_ALLOWED_HOSTS), then restart blazar serve")
+                scope["blazar.refused"] = "host"
                 await refuse_scope(scope, send, 403, error_bytes(scope["path"], 403, message))
                 return
         await self.app(scope, receive, send)
@@ -271,6 +287,7 @@ class Cors:
             return
         origin = raw.decode("latin-1")
         if not self.patterns.match(origin):
+            scope["blazar.refused"] = "origin"
             await refuse_scope(scope, send, 403, self._refusal(scope, origin), extra_headers=[(b"vary", b"origin")])
             return
         if scope["type"] != "http":
@@ -324,6 +341,7 @@ class BodyLimit:
             return
         declared = header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            scope["blazar.refused"] = "body_limit"
             await send_simple(send, 413, self._refusal(scope["path"]),
                               extra_headers=[(b"connection", b"close")])
             return
@@ -336,6 +354,7 @@ class BodyLimit:
             body = message.get("body", b"")
             total += len(body)
             if total > self.limit:
+                scope["blazar.refused"] = "body_limit"
                 await send_simple(send, 413, self._refusal(scope["path"]),
                                   extra_headers=[(b"connection", b"close")])
                 return

@@ -8,7 +8,6 @@ and drops an event for a subscriber that does not keep up rather than slow the g
 
 from __future__ import annotations
 
-import re
 import time
 from collections import deque
 from typing import Any
@@ -19,12 +18,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1)
 WINDOW = 4096  # recent observations kept for /api/quantiles
-_ID_SEGMENT = re.compile(r"/(req|msg|chatcmpl|call)[_-][A-Za-z0-9_-]+|/\d+(?=/|$)")
-
-
-def route_label(path: str) -> str:
-    """Path with ids folded, so labels stay few: /v1/requests/req_ab12/cancel -> /v1/requests/{id}/cancel."""
-    return _ID_SEGMENT.sub("/{id}", path)
+# Request labels come from route templates and resolved model names, both finite; these caps are the
+# backstop that keeps /metrics bounded even if a caller passes something a client chose.
+ROUTE_LABELS_MAX = 512
+MODEL_LABELS_MAX = 256
+OVERFLOW_LABEL = "other"
 
 
 class Observability:
@@ -59,13 +57,26 @@ class Observability:
                                                  for name in ("ttft", "ttft_warm", "ttft_cold", "tpot")}
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
+        self.route_labels: set[str] = set()
+        self.model_labels: set[str] = {""}
         self.subscribers: list[trio.MemorySendChannel] = []
         self.recent_events: deque[dict[str, Any]] = deque(maxlen=256)
 
     # ------------------------------------------------------------ recording
 
-    def request(self, path: str, dialect: str, model: str, status: int, seconds: float) -> None:
-        route = route_label(path)
+    def _bounded(self, seen: set[str], value: str, cap: int) -> str:
+        if value in seen:
+            return value
+        if len(seen) >= cap:
+            return OVERFLOW_LABEL
+        seen.add(value)
+        return value
+
+    def request(self, route: str, dialect: str, model: str, status: int, seconds: float) -> None:
+        """One finished HTTP request. `route` is the matched rule's template or a fixed refusal label (see
+        blazar.middleware.metrics_route), `model` a resolved model name or ""."""
+        route = self._bounded(self.route_labels, route, ROUTE_LABELS_MAX)
+        model = self._bounded(self.model_labels, model, MODEL_LABELS_MAX)
         self.requests.labels(route, dialect, model, str(status)).inc()
         self.request_seconds.labels(route, dialect).observe(seconds)
 

@@ -53,11 +53,15 @@ from supervisors.remotes import RemotePeer, RemotesClient
 from supervisors.requests import RequestRegistry, RequestsClient
 from supervisors.responses import ResponsesClient, ResponseStore
 from supervisors.services import Services
+from supervisors.session_quota import SessionQuota
 
 log = logging.getLogger("blazar.serve")
 
 EXIT_PORT_IN_USE = 3
-JOB_SLOTS = 2  # jobs (background responses, batches, pulls) running at once; the rest wait, queued
+# Jobs (background responses, batches, pulls, async transcriptions) running at once; the rest wait, queued. One
+# key holds at most JOB_SLOTS - 1 of them (supervisors/fair_slots.py): a key's batch and background response
+# run side by side, and one slot is always left for another key's job.
+JOB_SLOTS = 3
 
 
 class PortInUse(Exception):
@@ -150,7 +154,8 @@ async def run_gateway(
         responses = ResponsesClient(await root.start(partial(supervise, lambda: ResponseStore(ledger, clock=clock))))
         services = Services(paths=paths, config=config, ledger=ledger, registry=registry,
                             engine_identity=Roster(paths).identity, lane=lane, requests=requests, obs=obs,
-                            admission=admission, responses=responses, lanes=lanes)
+                            admission=admission, responses=responses, lanes=lanes,
+                            realtime_sessions=SessionQuota(config.realtime_sessions_per_key))
         if config.remotes:
             peers = {entry.name: await root.start(partial(
                 supervise, lambda entry=entry: RemotePeer(entry, cooldown_secs=config.breaker_cooldown_secs,
@@ -162,7 +167,8 @@ async def run_gateway(
                 supervise, lambda: FailoverActor(config.failover), mailbox_size=1024)), config.failover)
         kinds = job_kinds(services)
         services.jobs = JobsClient(await root.start(partial(
-            supervise, lambda: JobSupervisor(ledger, kinds, artifacts=paths.home / "jobs", concurrency=JOB_SLOTS),
+            supervise, lambda: JobSupervisor(ledger, kinds, artifacts=paths.home / "jobs", concurrency=JOB_SLOTS,
+                                           weight_of=gate.weight_of),
             mailbox_size=1024)), ledger)
         app = create_app(services)
         asgi = build_stack(app, cors_origins=config.cors_origins,

@@ -34,6 +34,7 @@ from .openai.requests_routes import blueprint as request_cards
 from .openai.responses_routes import blueprint as responses
 from .openai.responses_routes import run_background
 from .openai.routes import blueprint as openai
+from .roles import install as install_roles
 
 
 class BlazarApp(QuartTrio):
@@ -47,7 +48,7 @@ def job_kinds(services: Services) -> dict[str, JobKind]:
         "batch": JobKind(run=lambda ctx: run_openai_batch(services, ctx), resumable=True),
         "message_batch": JobKind(run=lambda ctx: run_message_batch(services, ctx), resumable=True),
         "pull": JobKind(run=lambda ctx: run_pull(services, ctx)),
-        "audio": JobKind(run=lambda ctx: run_audio_job(services, ctx)),
+        "audio": JobKind(run=lambda ctx: run_audio_job(services, ctx), inputs=lambda request: [request["input"]]),
     }
 
 
@@ -62,6 +63,7 @@ def create_app(services: Services) -> BlazarApp:
     for blueprint in (native, openai, request_cards, native_engine, ollama, anthropic, admin, keys, jobs, responses,
                       fabric, openai_batches, anthropic_batches, audio, realtime):
         app.register_blueprint(blueprint)
+    install_roles(app)
     if test_hooks_enabled():
         from .native.test_hooks import blueprint as hooks  # only with BLAZAR_TEST_HOOKS=1
 

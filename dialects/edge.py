@@ -210,6 +210,13 @@ async def admit_request(services: Any, model: str, charge: str = "tokens") -> Ca
     return lambda tokens: services.admission.charge(name, tokens)
 
 
+async def admit_work(services: Any, model: str | None = None) -> None:
+    """A request that creates work for later (an upload, a batch, an async transcription, a background
+    response) passes admission like a generation: the key's rpm and max_concurrent, and its model scope when
+    it names a model. What the work later generates is admitted and charged item by item (`acting_for`)."""
+    await admit_request(services, model or "", "requests")
+
+
 def num_ctx_header(headers: Any) -> int | None:
     raw = headers.get("x-blazar-num-ctx")
     if raw is None or raw.strip() == "":
@@ -237,6 +244,8 @@ async def ensure_model(services: Any, model: str, headers: Any, num_ctx: int | N
     answer for this request shape is cached (for callers that do not retry)."""
     if num_ctx is None:
         num_ctx = num_ctx_header(headers)
+    if spawn_options:
+        _may_reshape_engines(spawn_options)
     try:
         handle = await (lane or services.lane).ensure(model, num_ctx, spawn_options, fresh=fresh)
     except ActorError as error:
@@ -245,6 +254,23 @@ async def ensure_model(services: Any, model: str, headers: Any, num_ctx: int | N
         raise Refusal(503, f"the lane did not answer: {error}", hint="retry in a moment") from None
     _tag_model(handle.key)
     return handle
+
+
+def _may_reshape_engines(spawn_options: dict[str, Any]) -> None:
+    """Spawn options (Ollama's num_thread, num_batch, use_mlock, …) restart the engine every key of that model
+    shares, so they are for admin keys and keys whose entry opts in (`spawn_options = true`)."""
+    from quart import has_request_context, request
+
+    if not has_request_context() or not request.scope.get("blazar.auth"):
+        return
+    record = request.scope.get("blazar.key")
+    if record is None or record.admin or record.source == "local" or record.spawn_options:
+        return
+    names = ", ".join(f"options.{name}" for name in sorted(spawn_options))
+    raise Refusal(403, f"{names} would restart the engine that every key using this model shares; the key "
+                  f"{record.name!r} may not reshape engines", code="spawn_options_refused",
+                  hint="drop those options (the model's configured shape serves), or have the gateway's owner "
+                  "set spawn_options = true on this key's [[keys]] entry in config.toml")
 
 
 def with_default_system(handle: Handle, upstream: UpstreamCall) -> UpstreamCall:
@@ -334,7 +360,6 @@ async def forward(services: Any, model: str, upstream: UpstreamCall, headers: An
                   lane_kind: str = "llamacpp") -> UpstreamReply | UpstreamStream:
     """Admit, then serve from where `model` lives: a failover chain's alias, a remote peer's `peer:model`,
     or a local model (ensure, submit). Raises Refusal."""
-    _tag_model(model)
     chain, remote = _fabric_target(services, model, lane_kind)
     client = services.lane_clients()[lane_kind]
     lane = client.lane

@@ -18,9 +18,10 @@ class PiperLane(SpeechLane):
 
     def plan(self, paths: Any, config: Any, query: str, num_ctx: int | None,
              spawn_options: tuple[tuple[str, Any], ...] = ()) -> SpeechPlan:
-        voice = audio_models.voice_file(paths, query)
-        if not voice.exists() or not voice.with_suffix(".onnx.json").exists():
-            installed = audio_models.installed_voices(paths)
+        installed = audio_models.installed_voices(paths)
+        # Only a name from the installed list reaches a file path: a request's `../x` names no file.
+        voice = audio_models.voice_file(paths, query) if query in installed else None
+        if voice is None:
             raise PlanRefused(f"piper voice {query!r} is not installed"
                               + (f"; installed: {', '.join(installed)}" if installed else ""),
                               fix=f"blazar pull {query if query in audio_models.CATALOG else 'en_US-joe-medium'}",

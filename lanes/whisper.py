@@ -20,9 +20,10 @@ class WhisperLane(SpeechLane):
     def plan(self, paths: Any, config: Any, query: str, num_ctx: int | None,
              spawn_options: tuple[tuple[str, Any], ...] = ()) -> SpeechPlan:
         name = audio_models.whisper_name(query)
-        folder = audio_models.whisper_dir(paths, name)
-        if not (folder / "model.bin").exists():
-            installed = audio_models.installed_whisper(paths)
+        installed = audio_models.installed_whisper(paths)
+        # Only a name from the installed list reaches a file path: a request's `../x` names no folder.
+        folder = audio_models.whisper_dir(paths, name) if name in installed else None
+        if folder is None:
             raise PlanRefused(f"whisper model {name!r} is not installed"
                               + (f"; installed: {', '.join(installed)}" if installed else ""),
                               fix=f"blazar whisper --pull --model {name}", status=404)

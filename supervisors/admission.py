@@ -254,7 +254,7 @@ class AdmissionActor(MessageLoop):
 
     def _check(self, record: Any, counters: _Counters, model: str, now: float) -> Err | None:
         name = record.name
-        if not record.allows(model):
+        if model and not record.allows(model):  # "" : work that names no model yet (a file, a batch)
             allowed = ", ".join(record.models)
             return Err("model_out_of_scope", f"the API key {name!r} may use only these models: {allowed}; "
                        f"{model!r} is outside its scope",

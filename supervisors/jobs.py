@@ -32,6 +32,7 @@ from typing import Any
 import trio
 
 from .actor import Envelope, Err, MessageLoop, Ok, Reply, call, tell
+from .fair_slots import FairSlots
 from .ledger import LedgerClient
 
 log = logging.getLogger("blazar.jobs")
@@ -77,6 +78,8 @@ Runner = Callable[[JobContext], Awaitable[Any]]
 class JobKind:
     run: Runner
     resumable: bool = False  # at boot, an unfinished job of this kind continues instead of failing
+    # The files a job of this kind was given (an upload kept for it): removed when the job ends, whatever its end.
+    inputs: Callable[[dict[str, Any]], list[str]] = field(default=lambda _request: [])
 
 
 class Create(Envelope, frozen=True, kw_only=True, tag="create"):
@@ -135,11 +138,11 @@ class JobSupervisor(MessageLoop):
     name = "jobs"
 
     def __init__(self, ledger: LedgerClient, kinds: dict[str, JobKind], *, artifacts: Path,
-                 concurrency: int = 2) -> None:
+                 concurrency: int = 2, weight_of: Callable[[str | None], int] = lambda _key: 1) -> None:
         self.ledger = ledger
         self.kinds = kinds
         self.artifacts = artifacts
-        self.slots = trio.CapacityLimiter(max(1, concurrency))
+        self.slots = FairSlots(concurrency, weight_of)
         self.live: dict[str, _Live] = {}
         self.mailbox: trio.MemorySendChannel  # set by supervise(): job tasks report back through it
 
@@ -158,6 +161,8 @@ class JobSupervisor(MessageLoop):
                 "UPDATE jobs SET state = 'failed', error = ?, updated = ?, finished = ? WHERE id = ?",
                 (json.dumps(error), time.time(), time.time(), row["id"]))
             await self._append(row["id"], "failed", error)
+            if kind is not None:
+                await self._remove_inputs(kind, json.loads(row["request"]))
         if rows:
             log.info("jobs left by the previous process: %d resumed or closed", len(rows))
 
@@ -233,7 +238,7 @@ class JobSupervisor(MessageLoop):
         state, result, error = "failed", None, None
         with live.scope:
             try:
-                async with self.slots:
+                async with self.slots.hold(context.key):
                     await self.mailbox.send(_Started(id=context.id))
                     result = await self.kinds[context.kind].run(context)
                 state = "completed"
@@ -245,7 +250,17 @@ class JobSupervisor(MessageLoop):
         if live.scope.cancelled_caught or live.cancelled:
             state, error = "cancelled", None
         with trio.CancelScope(shield=True):
+            await self._remove_inputs(self.kinds[context.kind], context.request)
             await self.mailbox.send(_Done(id=context.id, state=state, result=result, error=error))
+
+    @staticmethod
+    async def _remove_inputs(kind: JobKind, request: dict[str, Any]) -> None:
+        def remove() -> None:
+            for name in kind.inputs(request):
+                Path(name).unlink(missing_ok=True)
+
+        with trio.move_on_after(5):
+            await trio.to_thread.run_sync(remove)
 
     async def _finish(self, message: _Done) -> None:
         live = self.live.get(message.id)  # kept until the terminal event is in the trail (it numbers it)

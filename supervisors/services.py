@@ -24,6 +24,7 @@ from .registry import RegistryClient
 from .remotes import RemotesClient
 from .requests import RequestsClient
 from .responses import ResponsesClient
+from .session_quota import SessionQuota
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Services:
     jobs: JobsClient | None = None
     remotes: RemotesClient | None = None  # [[remotes]] peers (None: none configured)
     failover: FailoverClient | None = None  # [[failover]] chains (None: none configured)
+    realtime_sessions: SessionQuota = field(default_factory=lambda: SessionQuota(0))  # open per key
 
     def lane_clients(self) -> dict[str, LaneClient]:
         """Every lane by kind (a Services built with the text lane alone has just that one)."""

@@ -1,7 +1,8 @@
 """Bounded under hostile input: API keys with no scrypt prefix oracle (a lookup digest of the whole secret),
-scrypt one at a time, a per-address failure throttle, and reserved key names; batch files scanned off the event
-loop under a line cap; loopback over IPv6, log lines no request can forge, peer URLs shown without their
-userinfo, and cross-site browser requests that carry no Origin (no engine needed)."""
+scrypt one at a time, a per-address failure throttle, and reserved key names; /metrics series that no client
+can mint; batch files scanned off the event loop under a line cap; loopback over IPv6, log lines no request
+can forge, peer URLs shown without their userinfo, and cross-site browser requests that carry no Origin (no
+engine needed)."""
 
 from __future__ import annotations
 
@@ -123,8 +124,10 @@ async def test_a_flood_of_wrong_keys_gets_401_then_429_and_never_runs_scrypt(nur
             other = httpx.AsyncHTTPTransport(local_address="127.0.0.2")
             async with httpx.AsyncClient(base_url=gateway.url, transport=other, timeout=10) as elsewhere:
                 assert (await elsewhere.get("/v1/models", headers=bearer(HASHED))).status_code == 200
+                metrics = (await elsewhere.get("/metrics", headers=bearer(ADMIN))).text
     assert statuses.count(401) == limit and statuses.count(429) == 300 - limit
     assert calls == [HASHED]  # no wrong secret ever reached scrypt
+    assert 'route="refused:auth_throttled"' in metrics
 
 
 def probe_healthz(url: str, stop: threading.Event, latencies: list[float]) -> None:
@@ -254,6 +257,68 @@ async def test_reserved_key_names_are_refused_by_the_admin_plane_and_the_cli(nur
         refused = await arun_cli("keys", "add", "env-3", env=env)
     assert refused.returncode != 0 and "reserved" in refused.stderr, refused.stderr
     assert "env-3" not in home.config.read_text()
+
+
+# ---------------------------------------------------------------- 2. metrics labels
+
+
+async def test_a_flood_of_random_paths_and_models_mints_no_metrics_series(nursery, home: Paths):
+    gateway = await start_gateway(nursery, home, keys=keyed(home))
+    flood, workers = 3000, 20
+    minted: list[str] = []
+
+    def one(index: int) -> tuple[str, str, dict | None, dict[str, str]]:
+        token = f"zz{rand()}"
+        minted.append(token)
+        kind = index % 6
+        if kind == 0:  # keyless, random path
+            return "GET", f"/{token}/{rand(4)}", None, {}
+        if kind == 1:  # keyless, random model
+            return "POST", "/v1/chat/completions", {"model": token, "messages": []}, {}
+        if kind == 2:  # keyed, random path: unmatched
+            return "GET", f"/v1/{token}", None, bearer(ADMIN)
+        if kind == 3:  # keyed, random model in each dialect: model not found
+            return "POST", "/v1/chat/completions", {"model": token, "messages": [{"role": "user", "content": "x"}]}, \
+                bearer(ADMIN)
+        if kind == 4:
+            return "POST", "/api/chat", {"model": token, "messages": [{"role": "user", "content": "x"}]}, \
+                bearer(ADMIN)
+        return "GET", f"/v1/jobs/{token}", None, bearer(ADMIN)  # a matched template with a random id
+
+    async def send(client: httpx.AsyncClient, index: int) -> int:
+        method, path, body, headers = one(index)
+        response = await client.request(method, path, json=body, headers=headers)
+        return response.status_code
+
+    with trio.fail_after(240):
+        async with gateway.client(limits=httpx.Limits(max_connections=workers)) as client:
+            for index in range(12):  # every kind once or twice: the labels a flood may reuse exist now
+                await send(client, index)
+            before = series((await client.get("/metrics", headers=bearer(ADMIN))).text)
+            statuses: dict[int, int] = {}
+            next_index = iter(range(12, 12 + flood))
+
+            async def worker() -> None:
+                for index in next_index:
+                    status = await send(client, index)
+                    statuses[status] = statuses.get(status, 0) + 1
+
+            started = time.monotonic()
+            async with trio.open_nursery() as crowd:
+                for _ in range(workers):
+                    crowd.start_soon(worker)
+            took = time.monotonic() - started
+            text = (await client.get("/metrics", headers=bearer(ADMIN))).text
+    after = series(text)
+    assert sum(statuses.values()) == flood and set(statuses) <= {401, 404}, statuses
+    assert statuses[401] >= flood // 3 and statuses[404] >= flood // 3
+    # Flat: the flood reused the labels the warm-up made (the /metrics reads add one series at most).
+    assert len(after) <= len(before) + 2, sorted(set(after) - set(before))
+    assert not [token for token in minted if token in text]
+    labels = {re.search(r'route="([^"]*)"', line).group(1) for line in after}
+    assert {"refused:auth", "unmatched", "/v1/chat/completions", "/api/chat", "/v1/jobs/<job_id>"} <= labels, \
+        labels
+    print(f"{flood} requests in {took:.1f}s; {len(before)} -> {len(after)} series")
 
 
 # ---------------------------------------------------------------- 3. batch files
@@ -436,4 +501,6 @@ async def test_cross_site_requests_without_an_origin_are_refused_except_health_a
             allowed = await client.get("/v1/models", headers={"sec-fetch-site": "same-site",
                                                               "origin": "http://localhost:3000"})
             assert allowed.status_code == 200
+            metrics = (await client.get("/metrics")).text
+            assert 'route="refused:fetch_site"' in metrics
             assert (await client.get("/api/ps")).json()["models"] == []  # nothing was loaded

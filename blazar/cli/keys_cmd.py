@@ -128,13 +128,17 @@ async def list_keys(as_json: bool) -> None:
 @click.option("--tpm", type=int, default=0, help="Tokens per minute, prompt + completion (0 = unlimited).")
 @click.option("--daily-tokens", type=int, default=0, help="Tokens per UTC day (0 = unlimited).")
 @click.option("--max-concurrent", type=int, default=0, help="Requests in flight at once (0 = unlimited).")
-@click.option("--weight", type=int, default=1, help="Fair-queueing share.")
+@click.option("--weight", type=int, default=1, help="Fair-queueing share (also of the job slots).")
+@click.option("--spawn-options", is_flag=True,
+              help="A scoped key may send Ollama spawn options (num_thread, …) that restart a shared engine.")
 @click.option("--json", "as_json", is_flag=True, help="The new key as one JSON line (with its secret).")
 async def add_key(name: str, models: str, rpm: int, tpm: int, daily_tokens: int, max_concurrent: int, weight: int,
-                  as_json: bool) -> None:
+                  spawn_options: bool, as_json: bool) -> None:
     """Create a key; its secret is printed once."""
     body = {"name": name, "models": [m.strip() for m in models.split(",") if m.strip()], "rpm": rpm, "tpm": tpm,
             "daily_tokens": daily_tokens, "max_concurrent": max_concurrent, "weight": weight}
+    if spawn_options:
+        body["spawn_options"] = True
     try:
         entry = check_new_key(body)
     except KeyChangeError as error:

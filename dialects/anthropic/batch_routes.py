@@ -15,7 +15,8 @@ from quart import Blueprint, Response, current_app, request
 
 from dialects.batches import LOW_PRIORITY, RETENTION_SECS, ItemFailed, counts_of, expired, item_rows, run_items
 from dialects.chat_core import run_chat
-from dialects.edge import Refusal, json_response, limit_arg, owner, refuse, viewer
+from dialects.edge import Refusal, admit_work, json_response, limit_arg, owner, refuse, viewer
+from dialects.roles import Role, role
 from dialects.wire import RequestError, decode_object
 from supervisors.jobs import TERMINAL, JobContext
 
@@ -74,6 +75,7 @@ async def _row(batch_id: str) -> dict[str, Any] | None:
 
 
 @blueprint.post("/v1/messages/batches")
+@role(Role.KEY)
 async def create_batch():
     services = current_app.services
     try:
@@ -90,6 +92,7 @@ async def create_batch():
             if custom_id in seen:
                 raise RequestError(f"`requests[{index}].custom_id` {custom_id!r} is used twice; each must be unique")
             seen.add(custom_id)
+        await admit_work(services)
     except (RequestError, Refusal) as error:
         return refuse(error)
     batch_id = f"msgbatch_{secrets.token_hex(12)}"
@@ -99,6 +102,7 @@ async def create_batch():
 
 
 @blueprint.get("/v1/messages/batches")
+@role(Role.KEY)
 async def list_batches():
     try:
         limit = limit_arg(request.args, 20, 1000)
@@ -111,12 +115,14 @@ async def list_batches():
 
 
 @blueprint.get("/v1/messages/batches/<batch_id>")
+@role(Role.KEY)
 async def get_batch(batch_id: str):
     row = await _row(batch_id)
     return _missing(batch_id) if row is None else json_response(batch_object(row))
 
 
 @blueprint.post("/v1/messages/batches/<batch_id>/cancel")
+@role(Role.KEY)
 async def cancel_batch(batch_id: str):
     services = current_app.services
     row = await _row(batch_id)
@@ -141,6 +147,7 @@ async def _ended_row(batch_id: str, what: str, fix: str) -> dict[str, Any]:
 
 
 @blueprint.get("/v1/messages/batches/<batch_id>/results")
+@role(Role.KEY)
 async def batch_results(batch_id: str):
     services = current_app.services
     try:
@@ -167,6 +174,7 @@ async def batch_results(batch_id: str):
 
 
 @blueprint.delete("/v1/messages/batches/<batch_id>")
+@role(Role.KEY)
 async def delete_batch(batch_id: str):
     try:
         await _ended_row(batch_id, "only an ended batch can be deleted",

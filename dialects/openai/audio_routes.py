@@ -23,6 +23,7 @@ from blazar.pcm import pcm_to_wav
 from dialects.edge import (
     Refusal,
     acting_for,
+    admit_work,
     engine_failure,
     forward,
     json_response,
@@ -32,6 +33,7 @@ from dialects.edge import (
     residents,
     viewer,
 )
+from dialects.roles import Role, role
 from dialects.wire import RequestError, decode_object
 from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply
 from supervisors.jobs import JobContext, JobFailed
@@ -131,12 +133,14 @@ async def _speech_to_text(task: str):
 
 @blueprint.post("/v1/audio/transcriptions")
 @blueprint.post("/audio/transcriptions")
+@role(Role.KEY)
 async def transcriptions():
     return await _speech_to_text("transcribe")
 
 
 @blueprint.post("/v1/audio/translations")
 @blueprint.post("/audio/translations")
+@role(Role.KEY)
 async def translations():
     return await _speech_to_text("translate")
 
@@ -249,6 +253,7 @@ def duration_ms(audio: bytes, segments: list[dict[str, Any]]) -> int:
 
 async def _submit_async(services: Any, model: str, audio: bytes, filename: str,
                         transcription: t.TranscriptionRequest, options: dict[str, Any]) -> Response:
+    await admit_work(services, f"whisper:{model}")
     uploads = services.paths.home / "jobs" / "inputs"
     job_id = f"audiojob_{secrets.token_hex(12)}"
     path = uploads / job_id
@@ -293,6 +298,7 @@ def _audio_job_view(row: dict[str, Any]) -> dict[str, Any]:
 
 
 @blueprint.get("/v1/audio/jobs/<job_id>")
+@role(Role.KEY)
 async def audio_job(job_id: str):
     row = await current_app.services.jobs.get(job_id, viewer())
     if row is None or row["kind"] != "audio":
@@ -301,6 +307,7 @@ async def audio_job(job_id: str):
 
 
 @blueprint.post("/v1/audio/jobs/<job_id>/cancel")
+@role(Role.KEY)
 async def cancel_audio_job(job_id: str):
     services = current_app.services
     row = await services.jobs.get(job_id, viewer())
@@ -337,6 +344,7 @@ def _ffmpeg(pcm_rate: int, fmt: str, *, wav: bool = False) -> list[str]:
 
 
 @blueprint.post("/v1/audio/speech")
+@role(Role.KEY)
 async def speech():
     services = current_app.services
     try:
@@ -478,6 +486,7 @@ def _live_transcode(stream: Any, argv: list[str]) -> AsyncIterator[bytes]:
 
 
 @blueprint.get("/v1/audio/voices")
+@role(Role.KEY)
 async def voices():
     services = current_app.services
     installed = await trio.to_thread.run_sync(
@@ -517,6 +526,7 @@ def _search_voices(query: str) -> list[dict[str, Any]]:
 
 
 @blueprint.get("/v1/audio/capabilities")
+@role(Role.KEY)
 async def capabilities():
     """What the audio lanes can do here; boots nothing."""
     services = current_app.services

@@ -16,7 +16,8 @@ from quart import Blueprint, Response, current_app, request
 
 from dialects.batches import LOW_PRIORITY, ItemFailed, count_lines, counts_of, decode_lines, item_rows, run_items
 from dialects.chat_core import completion_result, run_chat
-from dialects.edge import Refusal, forward, json_response, limit_arg, owner, refuse, viewer
+from dialects.edge import Refusal, admit_work, forward, json_response, limit_arg, owner, refuse, viewer
+from dialects.roles import Role, role
 from dialects.wire import RequestError, check_choices, decode_object, require_model
 from supervisors.instance import UpstreamCall
 from supervisors.jobs import TERMINAL, JobContext
@@ -51,6 +52,7 @@ async def _file_row(services: Any, file_id: str) -> dict[str, Any] | None:
 
 
 @blueprint.post("/v1/files")
+@role(Role.KEY)
 async def upload_file():
     services = current_app.services
     form = await request.form
@@ -63,6 +65,11 @@ async def upload_file():
         return refuse(Refusal(400, f"`purpose` must be one of {', '.join(PURPOSES)} (this gateway keeps files for "
                               f"batches), got {purpose!r}"))
     data = upload.read()
+    try:
+        await admit_work(services)
+        await _check_file_quota(services, owner(), len(data))
+    except Refusal as error:
+        return refuse(error)
     file_id = f"file-{secrets.token_hex(12)}"
     path = services.paths.home / "files" / file_id
     await trio.to_thread.run_sync(_write, path, data)
@@ -72,6 +79,30 @@ async def upload_file():
         "INSERT INTO files (id, purpose, filename, bytes, created, key_name, path) VALUES (?, ?, ?, ?, ?, ?, ?)",
         tuple(row[k] for k in ("id", "purpose", "filename", "bytes", "created", "key_name", "path")))
     return json_response(_file_object(row))
+
+
+async def _check_file_quota(services: Any, key: str | None, size: int) -> None:
+    """A key's stored files are bounded in count and bytes (`files_per_key`, `file_storage_per_key_mib`), so
+    one key cannot fill the gateway's disk; an open gateway's files count as one owner's."""
+    config = services.config
+    if key is None:
+        rows = await services.ledger.query("SELECT COUNT(*) AS files, COALESCE(SUM(bytes), 0) AS bytes FROM files "
+                                           "WHERE key_name IS NULL")
+    else:
+        rows = await services.ledger.query("SELECT COUNT(*) AS files, COALESCE(SUM(bytes), 0) AS bytes FROM files "
+                                           "WHERE key_name = ?", (key,))
+    files, stored = int(rows[0]["files"]), int(rows[0]["bytes"])
+    whose = f"the API key {key!r}" if key is not None else "this gateway"
+    if config.files_per_key and files + 1 > config.files_per_key:
+        raise Refusal(429, f"{whose} already keeps {files} files; files_per_key allows {config.files_per_key}",
+                      code="file_quota", hint="delete files it no longer needs (DELETE /v1/files/{id}), or raise "
+                      "files_per_key in config.toml")
+    cap = config.file_storage_per_key_mib * 1024 * 1024
+    if cap and stored + size > cap:
+        raise Refusal(429, f"{whose} keeps {stored} bytes of files and this upload adds {size}; "
+                      f"file_storage_per_key_mib allows {config.file_storage_per_key_mib} MiB",
+                      code="file_quota", hint="delete files it no longer needs (DELETE /v1/files/{id}), or raise "
+                      "file_storage_per_key_mib in config.toml")
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -105,6 +136,7 @@ async def _batch_file(services: Any, file_id: str) -> tuple[dict[str, Any], byte
 
 
 @blueprint.get("/v1/files/<file_id>")
+@role(Role.KEY)
 async def get_file(file_id: str):
     services = current_app.services
     rendered = await _batch_file(services, file_id)
@@ -116,7 +148,33 @@ async def get_file(file_id: str):
     return json_response(_file_object(row))
 
 
+@blueprint.delete("/v1/files/<file_id>")
+@role(Role.KEY)
+async def delete_file(file_id: str):
+    """OpenAI's file delete: the owner's upload (or any, for an admin key) leaves the ledger and the disk. A
+    batch still queued or running reads its input file (again after a restart), so that file is kept until
+    the batch ends."""
+    services = current_app.services
+    row = await _file_row(services, file_id)
+    if row is None:
+        hint = "batch output and error files are rendered from the batch; they go with it" \
+            if file_id.startswith("file-batch_") else "GET /v1/files/{id} shows a file you own"
+        return refuse(Refusal(404, f"no file {file_id}", hint=hint))
+    readers = await services.ledger.query(
+        "SELECT id FROM jobs WHERE kind = 'batch' AND state IN ('queued', 'running') AND "
+        "json_extract(request, '$.input_file_id') = ?", (file_id,))
+    if readers:
+        batch = readers[0]["id"]
+        return refuse(Refusal(409, f"file {file_id} is the input of batch {batch}, which has not finished",
+                              hint=f"delete it once the batch ends, or cancel the batch first: POST "
+                              f"/v1/batches/{batch}/cancel"))
+    await services.ledger.execute("DELETE FROM files WHERE id = ?", (file_id,))
+    await trio.to_thread.run_sync(lambda: Path(row["path"]).unlink(missing_ok=True))
+    return json_response({"id": file_id, "object": "file", "deleted": True})
+
+
 @blueprint.get("/v1/files/<file_id>/content")
+@role(Role.KEY)
 async def file_content(file_id: str):
     services = current_app.services
     rendered = await _batch_file(services, file_id)
@@ -198,6 +256,7 @@ def batch_object(row: dict[str, Any]) -> dict[str, Any]:
 
 
 @blueprint.post("/v1/batches")
+@role(Role.KEY)
 async def create_batch():
     services = current_app.services
     try:
@@ -222,6 +281,7 @@ async def create_batch():
         total = await count_lines(data)
         if total == 0:
             raise RequestError(f"file {file_id} has no request lines", param="input_file_id")
+        await admit_work(services)
     except (RequestError, Refusal) as error:
         return refuse(error)
     batch_id = f"batch_{secrets.token_hex(12)}"
@@ -231,6 +291,7 @@ async def create_batch():
 
 
 @blueprint.get("/v1/batches")
+@role(Role.KEY)
 async def list_batches():
     try:
         limit = limit_arg(request.args, 20, 100)
@@ -248,6 +309,7 @@ async def _batch_row(batch_id: str) -> dict[str, Any] | None:
 
 
 @blueprint.get("/v1/batches/<batch_id>")
+@role(Role.KEY)
 async def get_batch(batch_id: str):
     row = await _batch_row(batch_id)
     if row is None:
@@ -256,6 +318,7 @@ async def get_batch(batch_id: str):
 
 
 @blueprint.post("/v1/batches/<batch_id>/cancel")
+@role(Role.KEY)
 async def cancel_batch(batch_id: str):
     services = current_app.services
     row = await _batch_row(batch_id)

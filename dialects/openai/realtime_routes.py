@@ -18,6 +18,8 @@ from blazar import audio_models
 from blazar.pcm import resample
 from dialects.chat_core import run_chat
 from dialects.edge import Refusal, acting_for, forward, owner
+from dialects.roles import Role, role
+from supervisors.actor import ActorError
 from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply
 from supervisors.realtime import RealtimeSession, Settings, Sink
 
@@ -71,6 +73,7 @@ class GatewayPipeline:
 
 
 @blueprint.websocket("/v1/realtime")
+@role(Role.KEY)
 async def realtime():
     services = current_app.services
     voices = await trio.to_thread.run_sync(audio_models.installed_voices, services.paths)
@@ -78,8 +81,36 @@ async def realtime():
                                             else (voices[0] if voices else ""))
     settings = Settings(model=websocket.args.get("model") or DEFAULT_CHAT, voice=voice,
                         stt_model=websocket.args.get("stt_model") or "whisper-1")
-    await websocket.accept()
-    session = RealtimeSession(settings, GatewayPipeline(services, owner(websocket.scope), settings.model),
-                              idle_ttl=services.config.realtime_idle_secs, hard_ttl=services.config.realtime_max_secs)
-    reason = await session.run(websocket.receive, websocket.send)
-    await websocket.close(1000, reason[:120])
+    key = owner(websocket.scope)
+    quota = services.realtime_sessions
+    if not quota.take(key):
+        whose = f"the API key {key!r}" if key is not None else "this gateway"
+        return Refusal(429, f"{whose} already has {quota.held(key)} open /v1/realtime sessions; "
+                       f"realtime_sessions_per_key allows {quota.per_key}", code="realtime_sessions_exhausted",
+                       hint="close one first, or raise realtime_sessions_per_key in config.toml",
+                       retry_after=1).response(websocket.path)
+    try:
+        refusal = await _admit_session(services, key)
+        if refusal is not None:
+            return refusal.response(websocket.path)
+        await websocket.accept()
+        session = RealtimeSession(settings, GatewayPipeline(services, key, settings.model),
+                                  idle_ttl=services.config.realtime_idle_secs,
+                                  hard_ttl=services.config.realtime_max_secs)
+        reason = await session.run(websocket.receive, websocket.send)
+        await websocket.close(1000, reason[:120])
+    finally:
+        quota.give_back(key)
+
+
+async def _admit_session(services: Any, key: str | None) -> Refusal | None:
+    """The connection is admitted like a request of its key (rpm, and a max_concurrent place held for as long
+    as it is open: the auth middleware gives the lease back when the connection ends); each turn's stages are
+    then admitted and charged on their own."""
+    if key is None or services.admission is None:
+        return None
+    try:
+        websocket.scope["blazar.lease"] = await services.admission.admit(key, "", "requests")
+    except ActorError as error:
+        return Refusal.from_err(error.err)
+    return None

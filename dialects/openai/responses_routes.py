@@ -12,7 +12,8 @@ import msgspec
 from quart import Blueprint, Response, current_app, request
 
 from dialects.chat_core import StreamBroken, run_chat
-from dialects.edge import Refusal, acting_for, json_response, owner, refuse, viewer
+from dialects.edge import Refusal, acting_for, admit_work, json_response, owner, refuse, viewer
+from dialects.roles import Role, role
 from dialects.session import RequestSession, flight_key
 from dialects.wire import RequestError, decode_object
 from supervisors.jobs import JobFailed
@@ -91,6 +92,7 @@ async def run_background(services: Any, ctx: Any) -> dict[str, Any]:
 
 @blueprint.post("/v1/responses")
 @blueprint.post("/responses")
+@role(Role.KEY)
 async def create_response():
     services = current_app.services
     try:
@@ -99,6 +101,7 @@ async def create_response():
         response_id = t.new_id("resp")
         if body.get("background") is True:
             await _route_history(services, body)  # a missing previous response is refused now, not in the job
+            await admit_work(services, body["model"])
             await services.jobs.create("responses", model=body["model"], key=owner(),
                                        request={"body": body}, job_id=response_id)
             queued = t.response_object(response_id, body, status="queued", output=[], usage=None,
@@ -137,6 +140,7 @@ async def create_response():
 
 
 @blueprint.get("/v1/responses/<response_id>")
+@role(Role.KEY)
 async def get_response(response_id: str):
     """A stored response verbatim; a background one's job status while it runs, or its failure."""
     services = current_app.services
@@ -160,6 +164,7 @@ async def get_response(response_id: str):
 
 
 @blueprint.get("/v1/conversations/<name>")
+@role(Role.KEY)
 async def get_conversation(name: str):
     thread = await current_app.services.responses.conversation(name, viewer())
     if not thread:
@@ -170,6 +175,7 @@ async def get_conversation(name: str):
 
 
 @blueprint.delete("/v1/conversations/<name>")
+@role(Role.KEY)
 async def delete_conversation(name: str):
     removed = await current_app.services.responses.delete_conversation(name, viewer())
     if not removed:
