@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -44,25 +44,40 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Plan(Protocol):
-    """What one engine child is made of. Equal plans may share a child."""
+    """What one engine child is made of. Equal plans may share a child. Read-only: a lane's plan class is a
+    frozen dataclass."""
 
-    model: str
-    engine_tag: str
-    binary: Path
-    size_bytes: int
-    digest: str
-    gpu_engine: bool  # False: nothing of this child is on a GPU
-    context: int
-    context_source: str
-    slots: int
-    spawn_options: tuple[tuple[str, Any], ...]
+    @property
+    def model(self) -> str: ...
+    @property
+    def engine_tag(self) -> str: ...
+    @property
+    def binary(self) -> Path: ...
+    @property
+    def size_bytes(self) -> int: ...
+    @property
+    def digest(self) -> str: ...
+    @property
+    def gpu_engine(self) -> bool: ...  # False: nothing of this child is on a GPU
+    @property
+    def context(self) -> int: ...
+    @property
+    def context_source(self) -> str: ...
+    @property
+    def slots(self) -> int: ...
+    @property
+    def spawn_options(self) -> tuple[tuple[str, Any], ...]: ...
 
 
 # How a lane asks its own child something outside a client request: (method, path, body) -> (status, body).
 AskChild = Callable[[str, str, bytes], Awaitable[tuple[int, bytes]]]
 
+# The lane's own plan class (llama.cpp's SpawnPlan, the speech lanes' SpeechPlan): what its `plan()` builds is
+# what its `argv()` and `describe_plan()` read.
+PlanT = TypeVar("PlanT", bound=Plan)
 
-class Lane(Protocol):
+
+class Lane(Protocol[PlanT]):
     kind: str  # "llamacpp": shown in /api/ps, explain, the manifest
     health_path: str  # 200 once the child can serve
     generation_paths: frozenset[str]  # answers on these carry token usage
@@ -74,13 +89,13 @@ class Lane(Protocol):
         raises PlanRefused for what it cannot do. Pure and quick: the supervisor calls it on its loop."""
 
     def plan(self, paths: Any, config: Any, query: str, num_ctx: int | None,
-             spawn_options: tuple[tuple[str, Any], ...] = ()) -> Plan:
+             spawn_options: tuple[tuple[str, Any], ...] = ()) -> PlanT:
         """Blocking: resolve the model, the engine and every flag. Raises PlanRefused (or StoreError)."""
 
-    def argv(self, plan: Plan, port: int) -> list[str]:
+    def argv(self, plan: PlanT, port: int) -> list[str]:
         """The child's command line for a port on 127.0.0.1."""
 
-    def describe_plan(self, plan: Plan) -> dict[str, Any]:
+    def describe_plan(self, plan: PlanT) -> dict[str, Any]:
         """The explain card's lane-specific part, read from the plan."""
 
     def capabilities(self, manifest: Any) -> list[str]:
@@ -91,6 +106,9 @@ class Lane(Protocol):
 
     def final_event(self, tail: bytes) -> dict[str, Any]:
         """The final event of a stream (the last bytes of it) that carries the usage, or {}."""
+
+    def decode(self, body: bytes) -> dict[str, Any]:
+        """A buffered answer on one of `generation_paths` as the payload `usage()` reads, or {}."""
 
     def metered(self, body: bytes) -> bytes:
         """A streamed generation's body asking the engine to report its running token counts in every event,

@@ -80,7 +80,7 @@ class EngineProcess:
         self.argv = argv
         self.name = name
         self.process: childproc.ChildProcess | None = None
-        self.output: deque[bytes] = deque()
+        self.output: deque[bytes | bytearray] = deque()  # what trio's pipe yields
         self.output_bytes = 0
         self.output_closed = trio.Event()
 

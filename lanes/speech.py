@@ -57,6 +57,12 @@ class SpeechLane:
     def final_event(self, tail: bytes) -> dict[str, Any]:
         return {}
 
+    def decode(self, body: bytes) -> dict[str, Any]:
+        return {}  # no generation paths: never asked
+
+    def argv(self, plan: SpeechPlan, port: int) -> list[str]:
+        raise NotImplementedError  # each speech lane's module says how its engine is started
+
     def error_text(self, body: bytes) -> str:
         try:
             return str(json.loads(body)["error"]["message"])
