@@ -187,8 +187,11 @@ def _from_hub(entry: AudioEntry, folder: Path, progress: Progress) -> None:
     done = 0
     for file in entry.files:
         progress(f"downloading {file.name}", done, entry.size)
-        fetched = _hub_call(lambda f=file: hf_hub_download(entry.hf_repo, prefix + f.name, endpoint=hub_endpoint(),
-                                                           local_dir=folder / ".hub"), entry.hf_repo)
+
+        def download(f: AudioFile = file) -> str:
+            return hf_hub_download(entry.hf_repo, prefix + f.name, endpoint=hub_endpoint(), local_dir=folder / ".hub")
+
+        fetched = _hub_call(download, entry.hf_repo)
         shutil.move(fetched, folder / file.name)
         done += (folder / file.name).stat().st_size
     shutil.rmtree(folder / ".hub", ignore_errors=True)

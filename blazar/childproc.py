@@ -180,6 +180,7 @@ async def spawn(argv: Sequence[str], *, stdin: int | None = DEVNULL, stdout: int
     try:
         child_stdin, stdin_stream = connect(stdin, to_child=True)
         child_stdout, stdout_stream = connect(stdout, to_child=False)
+        child_stderr: int | None
         if stderr == STDOUT:  # into the same pipe as stdout (or whatever stdout is)
             child_stderr, stderr_stream = (STDOUT if child_stdout is None else child_stdout), None
         else:

@@ -32,7 +32,7 @@ def read_info(path: Path) -> dict[str, Any]:
         for tensor in reader.tensors:
             name = GGMLQuantizationType(tensor.tensor_type).name
             counts[name] = counts.get(name, 0) + int(tensor.n_elements)
-        quant = max(counts, key=counts.get)
+        quant = max(counts, key=counts.__getitem__)
     parameters = sum(int(t.n_elements) for t in reader.tensors)
     tensor_names = {t.name for t in reader.tensors}
     pooling = _field(reader, f"{arch}.pooling_type")

@@ -387,7 +387,7 @@ def migrate_document(document: tomlkit.TOMLDocument, hasher: Any = hash_secret) 
         return []
     values = [str(v) for v in (legacy.unwrap() if hasattr(legacy, "unwrap") else legacy)]
     del document["api_keys"]
-    existing = _keys_array(document) or []
+    existing: AoT | list[Any] = _keys_array(document) or []
     taken = {item.get("name") for item in existing}
     known = [item.get("secret_hash") for item in existing if item.get("secret_hash")]
     plain = {item.get("secret") for item in existing if item.get("secret")}

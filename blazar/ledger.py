@@ -122,7 +122,9 @@ class LedgerTooNew(Exception):
 
 
 def schema_version(connection: apsw.Connection) -> int:
-    return int(connection.execute("PRAGMA user_version").fetchone()[0])
+    row = connection.execute("PRAGMA user_version").fetchone()
+    assert row is not None  # the pragma always answers one row
+    return int(row[0])
 
 
 def migrate(connection: apsw.Connection, target: int = SCHEMA_VERSION) -> list[int]:
