@@ -125,6 +125,7 @@ def tell(mailbox: trio.MemorySendChannel, message: Envelope) -> bool:
 
 class Actor(Protocol):
     name: str
+    mailbox: trio.MemorySendChannel  # set by supervise() before run(): the send side of its own mailbox
 
     async def run(
         self, inbox: trio.MemoryReceiveChannel, *, task_status: trio.TaskStatus[None] = ...
@@ -139,6 +140,7 @@ class MessageLoop:
     """
 
     name = "actor"
+    mailbox: trio.MemorySendChannel  # set by supervise() before run(), so child tasks can report back
 
     async def on_start(self, nursery: trio.Nursery) -> None:
         """Open resources before the first message; runs inside the actor's nursery."""

@@ -185,6 +185,7 @@ class AdmissionActor(MessageLoop):
             tell(self.mailbox, _Written(failed=failed))
 
     async def handle(self, message: Envelope) -> Reply | None:
+        key: str | None  # a Release may find no lease
         match message:
             case Admit(key=key, model=model, charge=charge):
                 return self._admit(key, model, charge)

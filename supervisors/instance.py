@@ -215,7 +215,7 @@ class StreamSeen:
 
 
 async def pump_stream(response: httpcore.Response, send: trio.MemorySendChannel,
-                      seen: StreamSeen) -> BaseException | None:
+                      seen: StreamSeen) -> Exception | None:
     """Relay an upstream body into a stream channel as it arrives, noting in `seen` what passed. Returns the
     transport error that broke it (None when it ended cleanly). A caller that stopped reading raises trio's
     Broken/ClosedResourceError out of here."""
@@ -556,6 +556,7 @@ class Instance:
         return self.child.output_tail(lines) if self.child else ""
 
     async def _spawn(self) -> None:
+        assert self.mailbox is not None  # run() set it before starting this task
         for predecessor_gone in self.wait_before_spawn or []:
             await predecessor_gone.wait()  # the memory it frees is what this child needs
         if self.spawn_delay:
@@ -574,6 +575,7 @@ class Instance:
         await self.mailbox.send(_Ready())
 
     async def _on_child_exit(self, code: int) -> None:
+        assert self.mailbox is not None  # run() set it before the child was spawned
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await self.mailbox.send(_Exited(returncode=code))
 
@@ -593,6 +595,7 @@ class Instance:
     def _write_pidfile(self) -> None:
         path = self._pidfile()
         if path is not None:
+            assert self.child is not None  # a pidfile path is only named for a child
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"pid": self.child.pid, "model": self.key, "engine_tag": self.plan.engine_tag,
                                         "port": self.port, "argv0": str(self.plan.binary),
@@ -613,6 +616,7 @@ class Instance:
                 clean = await self._exchange(waiter, queued_secs)
             finally:
                 self.running.pop(waiter.ticket, None)
+                assert self.mailbox is not None  # run() set it before serving anything
                 with trio.CancelScope(shield=True), contextlib.suppress(trio.BrokenResourceError,
                                                                         trio.ClosedResourceError):
                     await self.mailbox.send(_Finished(ticket=waiter.ticket, clean=clean))

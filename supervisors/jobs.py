@@ -20,6 +20,7 @@ Reads (list, get, events) are ledger queries; they need no state of this actor.
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import secrets
@@ -375,7 +376,7 @@ class JobsClient:
         return await self.ledger.query(f"SELECT * FROM jobs {where} ORDER BY updated DESC, id LIMIT ?",
                                        (*params, limit))
 
-    async def events(self, job_id: str) -> list[dict[str, Any]]:
+    async def events(self, job_id: str) -> builtins.list[dict[str, Any]]:  # `list` here is the method above
         rows = await self.ledger.query("SELECT seq, ts, kind, detail FROM job_events WHERE job_id = ? ORDER BY seq",
                                        (job_id,))
         return [{**row, "detail": json.loads(row["detail"])} for row in rows]

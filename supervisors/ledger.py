@@ -33,7 +33,7 @@ class LedgerActor(MessageLoop):
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.connection = None
+        self.connection: db.apsw.Connection | None = None
         self.limiter = trio.CapacityLimiter(1)
 
     async def on_start(self, nursery: trio.Nursery) -> None:
@@ -45,6 +45,7 @@ class LedgerActor(MessageLoop):
             await trio.to_thread.run_sync(connection.close, limiter=self.limiter)
 
     async def handle(self, message: Envelope) -> Reply | None:
+        assert self.connection is not None  # on_start opened it before the first message
         try:
             match message:
                 case Execute(sql=sql, params=params):

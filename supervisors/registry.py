@@ -101,6 +101,7 @@ class RegistryActor(MessageLoop):
 
     async def _change_key(self, message: Envelope) -> dict[str, Any]:
         assert self.admission is not None and self.key_table is not None
+        entry: dict[str, Any] | None  # only an AddKey carries one
         match message:
             case AddKey(entry=entry):
                 op, name = "add", entry["name"]

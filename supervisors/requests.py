@@ -110,6 +110,7 @@ class RequestRegistry(MessageLoop):
         self.flights: dict[str, list[trio.MemorySendChannel]] = {}
 
     async def handle(self, message: Envelope) -> Reply | None:
+        control: Control | None  # a Signal may find none
         match message:
             case Open():
                 card_id = f"req_{secrets.token_hex(8)}"

@@ -94,6 +94,7 @@ class ResponseStore(MessageLoop):
             self.hot.popitem(last=False)
 
     async def handle(self, message: Envelope) -> Reply | None:
+        stored: StoredResponse | None  # a Get may find none
         match message:
             case Put(response=stored):
                 await self.ledger.execute(
