@@ -48,6 +48,7 @@ from supervisors.failover import FailoverActor, FailoverClient
 from supervisors.jobs import JobsClient, JobSupervisor
 from supervisors.lane import LaneClient, LaneSupervisor
 from supervisors.ledger import LedgerActor, LedgerClient
+from supervisors.placement import PlacementActor, PlacementClient
 from supervisors.registry import RegistryActor, RegistryClient
 from supervisors.remotes import RemotePeer, RemotesClient
 from supervisors.requests import RequestRegistry, RequestsClient
@@ -139,22 +140,27 @@ async def run_gateway(
             supervise, lambda: AdmissionActor(gate, ledger, clock=clock, obs=obs), mailbox_size=4096)), gate)
         registry = RegistryClient(await root.start(partial(
             supervise, lambda: RegistryActor(paths, admission=admission, key_table=key_table))))
+        # Memory across every lane: one budget, eviction of the idle child of any lane (supervisors/placement.py).
+        placement = PlacementClient(await root.start(partial(
+            supervise, lambda: PlacementActor(config.ram_budget_mib * 1024 * 1024), mailbox_size=4096)))
         text_lane = LANES["llamacpp"]
         lane = LaneClient(await root.start(partial(
-            supervise, lambda: LaneSupervisor(text_lane, paths, config, ledger=ledger, obs=obs),
+            supervise, lambda: LaneSupervisor(text_lane, paths, config, ledger=ledger, obs=obs, placement=placement),
             mailbox_size=1024)), text_lane)
         lanes = {"llamacpp": lane}
-        # Speech children idle out on their own clock, and a whisper model never evicts a chat model.
+        # Speech children idle out on their own clock and count against their own lane's resident cap; memory
+        # is shared with every lane through the placement actor.
         speech_config = msgspec.structs.replace(config, keep_alive=config.audio_idle_secs, models={})
         for kind in ("whisper", "piper"):
             lanes[kind] = LaneClient(await root.start(partial(
-                supervise, lambda kind=kind: LaneSupervisor(LANES[kind], paths, speech_config, ledger=ledger, obs=obs),
+                supervise, lambda kind=kind: LaneSupervisor(LANES[kind], paths, speech_config, ledger=ledger, obs=obs,
+                                                            placement=placement),
                 mailbox_size=256)), LANES[kind])
         requests = RequestsClient(await root.start(partial(supervise, RequestRegistry, mailbox_size=4096)))
         responses = ResponsesClient(await root.start(partial(supervise, lambda: ResponseStore(ledger, clock=clock))))
         services = Services(paths=paths, config=config, ledger=ledger, registry=registry,
                             engine_identity=Roster(paths).identity, lane=lane, requests=requests, obs=obs,
-                            admission=admission, responses=responses, lanes=lanes,
+                            admission=admission, responses=responses, lanes=lanes, placement=placement,
                             realtime_sessions=SessionQuota(config.realtime_sessions_per_key))
         if config.remotes:
             peers = {entry.name: await root.start(partial(

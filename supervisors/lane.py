@@ -12,9 +12,13 @@ A model whose children crashed `CRASH_BUDGET` times in `CRASH_WINDOW_SECS` has i
   Anything slower (store reads, `--help`, meminfo) runs as a planning task off this loop, which reports
   back with `_Planned`: a cold load of model A never delays a request for resident model B. Requests
   for a model that is being planned wait on the same plan.
-- A new child first needs room: past `max_resident_models` the least recently used idle instance is
-  stopped and the new child spawns once it is gone; with every resident busy the request is refused
-  (503). A spawn that would leave MemAvailable under model size + floor is refused (507).
+- A new child first needs room: past `max_resident_models` (per lane) the least recently used idle instance
+  is stopped and the new child spawns once it is gone; with every resident busy the request is refused
+  (503). Memory is the Placement actor's (supervisors/placement.py), across every lane: the planning task
+  reserves room there before the spawn (the placement may evict idle children of any lane, whose exits
+  the new child waits for), the lane binds the reservation to its child and forwards the child's reports,
+  and frees it when the child is gone; `EvictForRoom` from the placement stops a child of this lane. A
+  spawn that would leave MemAvailable under model size + floor is refused (507).
 - A request asking for a different context or other spawn options than the resident child's restarts
   that model once: the old child drains while the new one takes new requests.
 - Each instance is supervised on its own: it reports every state change with an `InstanceEvent` that
@@ -42,6 +46,7 @@ from lanes.base import Lane, PlanRefused
 
 from .actor import ActorError, ActorUnavailable, Envelope, Err, MessageLoop, Ok, Reply, answer, call, tell
 from .instance import Describe, Instance, InstanceEvent, State, Stop, next_serial
+from .placement import EvictForRoom, PlacementClient
 
 log = logging.getLogger("blazar.lane")
 
@@ -82,6 +87,7 @@ class _Planned(Envelope, frozen=True, kw_only=True, tag="planned"):
     plan: Any
     refusal: Err | None
     mem_available: int | None
+    room: tuple[int, list[trio.Event]] | None  # the placement's reservation and the exits it waits for
 
 
 @dataclass
@@ -132,8 +138,11 @@ def _refusal(error: Exception) -> Err:
 
 
 class LaneSupervisor(MessageLoop):
-    def __init__(self, lane: Lane, paths: Paths, config: Config, *, ledger: Any = None, obs: Any = None) -> None:
+    def __init__(self, lane: Lane, paths: Paths, config: Config, *, ledger: Any = None, obs: Any = None,
+                 placement: PlacementClient | None = None) -> None:
         self.lane = lane
+        self.placement = placement
+        self.reservations: dict[int, int] = {}  # instance serial -> its placement reservation
         self.name = f"{lane.kind}-lane"
         self.paths = paths
         self.config = config
@@ -167,6 +176,9 @@ class LaneSupervisor(MessageLoop):
                 return None
             case Explain():
                 self.nursery.start_soon(self._explain, message, self._explain_facts())
+                return None
+            case EvictForRoom(serial=serial, for_model=for_model):
+                self._evict_for_room(serial, for_model)
                 return None
             case Reset(model=model):
                 cleared = [k for k in list(self.breakers) if model in (None, k)]
@@ -205,11 +217,11 @@ class LaneSupervisor(MessageLoop):
         pending = self.planning.get(request)
         if pending is None:
             pending = self.planning[request] = _Pending()
-            self.nursery.start_soon(self._plan_task, request)
+            self.nursery.start_soon(self._plan_task, request, resident is not None)
         pending.replies.append(message.reply)
         return None
 
-    async def _plan_task(self, request: tuple[Any, ...]) -> None:
+    async def _plan_task(self, request: tuple[Any, ...], replacing: bool) -> None:
         query, num_ctx, spawn_options = request
 
         def plan_and_measure() -> tuple[Any, int | None]:
@@ -224,24 +236,42 @@ class LaneSupervisor(MessageLoop):
         except Exception as error:  # a planning bug is this request's 500, never the lane's crash
             log.exception("planning %s failed", query)
             refusal = Err("internal", f"planning {query} failed: {type(error).__name__}: {error}")
-        await self.mailbox.send(_Planned(request=request, plan=plan, refusal=refusal, mem_available=available))
+        room = None
+        if plan is not None and self.placement is not None:
+            try:
+                room = await self.placement.reserve(lane=self.lane.kind, lane_mailbox=self.mailbox, model=plan.model,
+                                                    size_bytes=plan.size_bytes, gpu=bool(plan.gpu_engine),
+                                                    replacing=replacing)
+            except ActorError as error:
+                refusal = error.err
+            except ActorUnavailable as error:
+                refusal = Err("placement_unavailable", f"the placement actor did not answer: {error}",
+                              hint="retry in a moment", status=503)
+        await self.mailbox.send(_Planned(request=request, plan=plan, refusal=refusal, mem_available=available,
+                                         room=room))
 
     def _planned(self, message: _Planned) -> None:
         pending = self.planning.pop(message.request, _Pending())
+        room = message.room
         for reply in pending.replies:
             if message.refusal is not None:
                 result: Reply = message.refusal
             else:
-                result = self._place(message.plan, message.request, message.mem_available)
+                result, used = self._place(message.plan, message.request, message.mem_available, room)
+                room = None if used else room  # one reservation starts one child
             answer(reply, result)
+        if room is not None and self.placement is not None:
+            self.placement.released(room[0])  # nothing was spawned on it
 
-    def _place(self, plan: Any, request: tuple[Any, ...], available: int | None) -> Reply:
+    def _place(self, plan: Any, request: tuple[Any, ...], available: int | None,
+               room: tuple[int, list[trio.Event]] | None) -> tuple[Reply, bool]:
+        """The answer for one waiter of a plan, and whether it started a child on `room`."""
         query, num_ctx, spawn_options = request
         key = plan.model
         self.aliases[query] = key
         previous = self.residents.get(key)
         if previous is not None and self._fits(previous, num_ctx, spawn_options):
-            return Ok(self._handle_of(previous))  # an earlier waiter on the same plan started it
+            return Ok(self._handle_of(previous)), False  # an earlier waiter on the same plan started it
         breaker = self.breakers.get(key)
         now = trio.current_time()
         if breaker is not None and (breaker.probe_serial is not None or now < breaker.probe_at()):
@@ -250,21 +280,22 @@ class LaneSupervisor(MessageLoop):
                     f"the next request after {wait:.0f}s starts it once more as a probe"
             return Err("engine_breaker_open", f"{breaker.reason}\n(breaker open: {when})",
                        hint="wait for the probe, or clear it now: blazar ps --reset", status=502,
-                       retry_after=max(1.0, wait))
+                       retry_after=max(1.0, wait)), False
         if previous is not None:
             # A context or spawn option change (restart once) or a child on its way out: it drains, the
             # new one waits for it.
             tell(previous.mailbox, Stop(reason=f"restarting with context {plan.context}"))
             self.draining[previous.serial] = self.residents.pop(key)
-            return Ok(self._start(plan, [previous.gone], breaker))
-        room = self._make_room(plan)
-        if isinstance(room, Err):
-            return room
-        if not room:  # with evictions under way, MemAvailable is about to grow: judge after they finish
+            return Ok(self._start(plan, [previous.gone], breaker, room)), True
+        gone = self._make_room(plan)
+        if isinstance(gone, Err):
+            return gone, False
+        evicted = gone + (room[1] if room is not None else [])
+        if not evicted:  # with evictions under way, MemAvailable is about to grow: judge after they finish
             floor = self._memory_floor(plan, available)
             if floor is not None:
-                return floor
-        return Ok(self._start(plan, room, breaker))
+                return floor, False
+        return Ok(self._start(plan, gone, breaker, room)), True
 
     def _handle_of(self, resident: Resident) -> Handle:
         return Handle(resident.key, resident.mailbox, resident.plan, self.lane)
@@ -282,9 +313,10 @@ class LaneSupervisor(MessageLoop):
                    "or lower the floor: blazar config set spawn_mem_floor_mib 0", status=507)
 
     def _make_room(self, plan: Any) -> list[trio.Event] | Err:
-        """Stop least recently used idle models until the cap and the RAM budget have room for `plan`."""
+        """Stop least recently used idle models until the lane's cap has room for `plan` (and the RAM budget,
+        for a lane run without the placement actor)."""
         live = [r for r in self.residents.values() if r.state != State.STOPPED]
-        budget = self.config.ram_budget_mib * 1024 * 1024
+        budget = self.config.ram_budget_mib * 1024 * 1024 if self.placement is None else 0
         if budget and plan.size_bytes > budget:
             return Err("over_ram_budget", f"{plan.model} ({plan.size_bytes / 2**20:.0f} MiB) is larger than the whole "
                        f"ram_budget_mib ({self.config.ram_budget_mib} MiB)",
@@ -312,7 +344,8 @@ class LaneSupervisor(MessageLoop):
             gone.append(victim.gone)
         return gone
 
-    def _start(self, plan: Any, wait_for: list[trio.Event], breaker: Breaker | None) -> Handle:
+    def _start(self, plan: Any, wait_for: list[trio.Event], breaker: Breaker | None,
+               room: tuple[int, list[trio.Event]] | None = None) -> Handle:
         settings = self.config.models.get(plan.model)
         keep_alive = parse_duration(settings.keep_alive if settings and settings.keep_alive is not None
                                     else self.config.keep_alive)
@@ -320,6 +353,11 @@ class LaneSupervisor(MessageLoop):
         delay = min(5.0, 0.5 * 2 ** (recent - 1)) if recent and breaker is None else 0.0
         serial = next_serial()
         gone = trio.Event()
+        if room is not None:
+            wait_for = [*wait_for, *room[1]]  # children of any lane the placement evicted for this one
+            self.reservations[serial] = room[0]
+            assert self.placement is not None
+            self.placement.placed(room[0], serial, gone)
         instance = Instance(plan.model, plan, lane=self.lane, report_to=self.mailbox, keep_alive=keep_alive,
                             obs=self.obs, spawn_timeout=self.config.spawn_timeout_secs, serial=serial, gone=gone,
                             children_dir=self.paths.run / "children", wait_before_spawn=wait_for, spawn_delay=delay)
@@ -411,6 +449,12 @@ class LaneSupervisor(MessageLoop):
         resident.state = event.state
         resident.snapshot = event.snapshot
         resident.last_used = event.snapshot.get("last_used", resident.last_used)
+        reservation = self.reservations.get(event.serial)
+        if reservation is not None and self.placement is not None:
+            if event.state == State.STOPPED:
+                self.placement.released(self.reservations.pop(event.serial))
+            else:
+                self.placement.seen(reservation, str(event.state), resident.last_used)
         breaker = self.breakers.get(event.key)
         probing = breaker is not None and breaker.probe_serial == event.serial
         if event.crashed and not counted and event.state in (State.FAILED, State.STOPPED):
@@ -431,6 +475,17 @@ class LaneSupervisor(MessageLoop):
                 del self.residents[event.key]
             if event.detail == "idle" and not event.crashed:
                 self._record("evict", event.key, reason="idle keep_alive")
+
+    def _evict_for_room(self, serial: int, for_model: str) -> None:
+        """The placement chose this lane's child to make room for a model of any lane. A child already on its way
+        out needs nothing; a busy one drains its requests first (Stop never cuts one in flight)."""
+        resident = next((r for r in self.residents.values() if r.serial == serial), None)
+        if resident is None:
+            return
+        log.info("evicting %s (least recently used across lanes) to make room for %s", resident.key, for_model)
+        self._record("evict", resident.key, reason=f"placement: room for {for_model}")
+        tell(resident.mailbox, Stop(reason=f"evicted: least recently used, to make room for {for_model}"))
+        self.draining[resident.serial] = self.residents.pop(resident.key)
 
     def _recent_crashes(self, key: str) -> int:
         history = self.crashes.get(key)

@@ -20,6 +20,7 @@ from .failover import FailoverClient
 from .jobs import JobsClient
 from .lane import LaneClient
 from .ledger import LedgerClient
+from .placement import PlacementClient
 from .registry import RegistryClient
 from .remotes import RemotesClient
 from .requests import RequestsClient
@@ -46,6 +47,7 @@ class Services:
     jobs: JobsClient | None = None
     remotes: RemotesClient | None = None  # [[remotes]] peers (None: none configured)
     failover: FailoverClient | None = None  # [[failover]] chains (None: none configured)
+    placement: PlacementClient | None = None  # memory across every lane
     realtime_sessions: SessionQuota = field(default_factory=lambda: SessionQuota(0))  # open per key
 
     def lane_clients(self) -> dict[str, LaneClient]:

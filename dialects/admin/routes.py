@@ -181,8 +181,10 @@ async def capacity():
     for device in devices:
         for process in device["compute_processes"]:
             process["resident"] = process["pid"] in resident_pids
+    services = current_app.services
+    placement = await services.placement.describe() if services.placement is not None else None
     return _json({"gpus": devices, "note": note, "cpu": await trio.to_thread.run_sync(_cpu),
-                  "remotes": await remote_lines(current_app.services),
+                  "placement": placement, "remotes": await remote_lines(services),
                   "residents": [{"model": r["model"], "pid": r.get("pid"), "device": "cpu" if not devices else "gpu",
                                  "size_bytes": r.get("size_bytes"), "lane": r.get("lane")} for r in rows]})
 
