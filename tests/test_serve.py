@@ -3,11 +3,14 @@ taken port, refusal of a malformed config."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
+from pathlib import Path
 
 import httpx
+import pytest
 import trio
 
 from blazar.paths import Paths
@@ -30,57 +33,92 @@ async def test_boot_answers_then_sigterm_stops_cleanly(home: Paths, tmp_path):
     assert "listening on http://127.0.0.1:" in log and "blazar stopped" in log
 
 
-async def test_sigterm_lets_an_in_flight_request_finish(home: Paths, tmp_path):
-    server = ServeProcess(home, tmp_path / "serve.log", "--bind", "127.0.0.1:0",
-                          env={"BLAZAR_TEST_HOOKS": "1"})
+async def _stream_until_signalled(client: httpx.AsyncClient, body: dict, first_token: trio.Event,
+                                  signalled: trio.Event, frames: dict[str, list[str]]) -> None:
+    """Stream a chat answer, noting which frames came before and which after the signal."""
     try:
-        with trio.fail_after(30):
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    frames["after" if signalled.is_set() else "before"].append(line[6:])
+                    first_token.set()
+    except httpx.HTTPError as error:
+        frames["error"].append(type(error).__name__)
+
+
+def _engine_home(home: Paths, shared_home: Paths, shared_engine, *, grace: int) -> None:
+    from tests.lane_fixtures import add_shared_model, register_engine
+
+    register_engine(home, shared_engine.binary, shared_engine.tag)
+    add_shared_model(home, shared_home)
+    home.config.write_text(f"shutdown_grace_secs = {grace}\n")
+
+
+async def _until_logged(log: Path, text: str) -> None:
+    while text not in await trio.Path(log).read_text():  # noqa: ASYNC110 - another process's log
+        await trio.sleep(0.02)
+
+
+@pytest.mark.engine
+async def test_sigterm_lets_an_in_flight_request_finish(home: Paths, tmp_path, shared_home, shared_engine):
+    """SIGTERM while a generation streams (its first tokens already at the client): the rest of the answer
+    still arrives, all of it, and then the daemon exits 0."""
+    _engine_home(home, shared_home, shared_engine, grace=300)
+    server = ServeProcess(home, tmp_path / "serve.log", "--bind", "127.0.0.1:0")
+    body = {"model": "smollm2:135m", "messages": [{"role": "user", "content": "Tell a story."}], "stream": True,
+            "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    frames: dict[str, list[str]] = {"before": [], "after": [], "error": []}
+    try:
+        with trio.fail_after(240):
             info = await server.start()
-            results = {}
-
-            async def busy_request():
-                async with httpx.AsyncClient(timeout=20) as client:
-                    results["busy"] = await client.post(f"{info['url']}/__test__/slow?ms=1500", content=b"hi")
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(busy_request)
-                await trio.sleep(0.4)
-                server.signal(signal.SIGTERM)
-                exit_code = await server.wait()
-            assert exit_code == 0
-            assert results["busy"].status_code == 200
-            assert results["busy"].json() == {"slept_ms": 1500, "body_bytes": 2}
+            async with httpx.AsyncClient(base_url=info["url"], timeout=120) as client:
+                first_token, signalled = trio.Event(), trio.Event()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_stream_until_signalled, client, body, first_token, signalled, frames)
+                    await first_token.wait()  # in flight for certain: the client holds its first tokens
+                    server.signal(signal.SIGTERM)
+                    signalled.set()
+            # (The client's pool is closed first: an idle keep-alive connection would hold the drain open.)
+            exit_code = await server.wait()
     finally:
         server.kill()
+    assert exit_code == 0
+    assert frames["error"] == [] and frames["after"], frames  # tokens kept coming after the signal
+    assert frames["after"][-1] == "[DONE]"
+    assert json.loads(frames["after"][-2])["choices"][0]["finish_reason"] == "length"  # all 60 tokens
     assert "draining in-flight requests" in (tmp_path / "serve.log").read_text()
 
 
-async def test_a_second_signal_skips_the_drain(home: Paths, tmp_path):
-    server = ServeProcess(home, tmp_path / "serve.log", "--bind", "127.0.0.1:0",
-                          env={"BLAZAR_TEST_HOOKS": "1"})
+@pytest.mark.engine
+async def test_a_second_signal_skips_the_drain(home: Paths, tmp_path, shared_home, shared_engine):
+    """A generation of thousands of tokens is streaming and the drain would wait up to 300 s for it: SIGTERM
+    (seen in the log: the drain began), then SIGINT, and the daemon exits 0 at once, cutting the stream."""
+    _engine_home(home, shared_home, shared_engine, grace=300)
+    server = ServeProcess(home, tmp_path / "serve.log", "--bind", "127.0.0.1:0")
+    body = {"model": "smollm2:135m", "messages": [{"role": "user", "content": "Tell a story."}], "stream": True,
+            "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+    frames: dict[str, list[str]] = {"before": [], "after": [], "error": []}
     try:
-        with trio.fail_after(30):
+        with trio.fail_after(240):
             info = await server.start()
-
-            async def stuck_request():
-                async with httpx.AsyncClient(timeout=20) as client:
-                    try:
-                        await client.post(f"{info['url']}/__test__/slow?ms=60000")
-                    except httpx.HTTPError:
-                        pass
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(stuck_request)
-                await trio.sleep(0.4)
-                server.signal(signal.SIGTERM)
-                await trio.sleep(0.4)
-                server.signal(signal.SIGINT)
-                started = trio.current_time()
-                assert await server.wait() == 0
-                assert trio.current_time() - started < 5
-                nursery.cancel_scope.cancel()
+            async with httpx.AsyncClient(base_url=info["url"], timeout=120) as client:
+                first_token, signalled = trio.Event(), trio.Event()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_stream_until_signalled, client, body, first_token, signalled, frames)
+                    await first_token.wait()
+                    server.signal(signal.SIGTERM)
+                    signalled.set()
+                    await _until_logged(tmp_path / "serve.log", "draining in-flight requests")
+                    server.signal(signal.SIGINT)
+                    started = trio.current_time()
+                    assert await server.wait() == 0
+                    stopped_in = trio.current_time() - started
     finally:
         server.kill()
+    assert stopped_in < 5
+    assert "second signal: stopping now" in (tmp_path / "serve.log").read_text()
+    # The stream was cut, not finished: no [DONE] after 4000 tokens.
+    assert "[DONE]" not in frames["after"] and len(frames["before"]) + len(frames["after"]) < 4000
 
 
 async def test_a_taken_port_exits_3_naming_the_port_and_the_key(home: Paths, tmp_path):
