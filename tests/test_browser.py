@@ -207,14 +207,15 @@ async def _page_server(directory: Path) -> tuple[trio.Process, int]:
     import httpx
 
     async with httpx.AsyncClient() as client:
-        for _ in range(200):
+        while True:  # until it serves the page (the test's deadline bounds the wait, not a count of tries)
+            if server.poll() is not None:
+                raise AssertionError(f"the page server exited with {server.returncode}")
             try:
                 if (await client.get(f"http://127.0.0.1:{port}/attack.html")).status_code == 200:
                     return server, port
             except httpx.HTTPError:
                 pass
             await trio.sleep(0.05)
-    raise AssertionError("the page server did not start")
 
 
 async def _run_page(browser: str, url: str, profile: Path) -> dict:
@@ -240,7 +241,8 @@ async def test_a_page_from_another_origin_can_neither_read_nor_change_anything(n
     gateway = await start_gateway(nursery, home)
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "attack.html").write_text(ATTACK_PAGE.replace("GATEWAY", gateway.url))
-    server, port = await _page_server(tmp_path / "site")
+    with trio.fail_after(60):
+        server, port = await _page_server(tmp_path / "site")
     try:
         with trio.fail_after(120):
             before = _state(home)
