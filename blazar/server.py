@@ -54,7 +54,7 @@ from supervisors.remotes import RemotePeer, RemotesClient
 from supervisors.requests import RequestRegistry, RequestsClient
 from supervisors.responses import ResponsesClient, ResponseStore
 from supervisors.services import Services
-from supervisors.session_quota import SessionQuota
+from supervisors.sessions import SessionsClient, SessionSupervisor
 
 log = logging.getLogger("blazar.serve")
 
@@ -157,11 +157,23 @@ async def run_gateway(
                                                             placement=placement),
                 mailbox_size=256)), LANES[kind])
         requests = RequestsClient(await root.start(partial(supervise, RequestRegistry, mailbox_size=4096)))
+        sessions = SessionsClient(await root.start(partial(
+            supervise, lambda: SessionSupervisor(config.realtime_sessions_per_key), mailbox_size=1024)))
+
+        async def drain_sessions() -> None:
+            """At the first signal, every open session says goodbye and closes, so the HTTP drain ends."""
+            await shutdown.wait()
+            with trio.move_on_after(2):
+                closing = await sessions.drain("the gateway is shutting down")
+                if closing:
+                    log.info("draining: %d session(s) told to close", closing)
+
+        root.start_soon(drain_sessions)
         responses = ResponsesClient(await root.start(partial(supervise, lambda: ResponseStore(ledger, clock=clock))))
         services = Services(paths=paths, config=config, ledger=ledger, registry=registry,
                             engine_identity=Roster(paths).identity, lane=lane, requests=requests, obs=obs,
                             admission=admission, responses=responses, lanes=lanes, placement=placement,
-                            realtime_sessions=SessionQuota(config.realtime_sessions_per_key))
+                            sessions=sessions)
         if config.remotes:
             peers = {entry.name: await root.start(partial(
                 supervise, lambda entry=entry: RemotePeer(entry, cooldown_secs=config.breaker_cooldown_secs,

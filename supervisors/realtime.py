@@ -9,6 +9,8 @@ Session states (only the loop changes them):
 
     idle --commit / response.create--> in_turn --(turn done | failed | cancelled)--> idle
     idle|in_turn --idle TTL (120 s without a client event) | hard TTL (600 s)--> closing (socket closed, reason)
+    idle|in_turn --stop (the session supervisor drains: the gateway shuts down)--> closing, after an `error`
+                   event with code `gateway_shutdown`
 
 - The audio buffer holds PCM16 mono at 24 kHz (OpenAI's realtime default), up to 20 MiB; an append past
   that is an error event and the buffer keeps what fits. `input_audio_buffer.clear` empties it.
@@ -20,8 +22,9 @@ Session states (only the loop changes them):
 - A dropped socket cancels this session's nursery and nothing else: the turn's engine requests close
   with it.
 
-The engines are reached through a `Pipeline` the composition root gives (the dialect layer's canonical
-calls), so this actor holds no HTTP or engine knowledge.
+The session runs as a task of the Session supervisor (supervisors/sessions.py), which lists it, counts it
+against its key and stops it at drain. The engines are reached through a `Pipeline` the composition root
+gives (the dialect layer's canonical calls), so this actor holds no HTTP or engine knowledge.
 """
 
 from __future__ import annotations
@@ -92,6 +95,11 @@ def sentences(buffer: str) -> tuple[list[str], str]:
     return [p.strip() for p in parts[:-1] if p.strip()], parts[-1]
 
 
+async def _cancel_when(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
 class RealtimeSession:
     def __init__(self, settings: Settings, pipeline: Pipeline, *, idle_ttl: float = IDLE_TTL_SECS,
                  hard_ttl: float = HARD_TTL_SECS) -> None:
@@ -112,8 +120,10 @@ class RealtimeSession:
                 "input_audio_format": "pcm16", "output_audio_format": "pcm16",
                 "input_audio_transcription": {"model": self.settings.stt_model}, "turn_detection": None}
 
-    async def run(self, receive: Callable[[], Awaitable[str]], send: Callable[[str], Awaitable[None]]) -> str:
-        """Serve the connection until the client leaves or a TTL ends it; returns the close reason."""
+    async def run(self, receive: Callable[[], Awaitable[str]], send: Callable[[str], Awaitable[None]],
+                  stop: trio.Event | None = None) -> str:
+        """Serve the connection until the client leaves, a TTL ends it or `stop` is set (the gateway drains: the
+        client gets an `error` event with code `gateway_shutdown` first); returns the close reason."""
         inbox_send, inbox = trio.open_memory_channel[dict[str, Any] | _TurnEvent](64)
         outbox_send, outbox = trio.open_memory_channel[dict[str, Any]](256)
         self.inbox_send = inbox_send
@@ -124,10 +134,17 @@ class RealtimeSession:
             nursery.start_soon(self._reader, receive, inbox_send.clone())
             nursery.start_soon(self._writer, send, outbox, flushed)
             await self._emit({"type": "session.created", "session": self.describe()})
-            with trio.move_on_after(self.hard_ttl) as hard:
+            with trio.move_on_after(self.hard_ttl) as hard, trio.CancelScope() as serving:
+                if stop is not None:
+                    nursery.start_soon(_cancel_when, stop, serving)
                 await self._loop(inbox)
             if hard.cancelled_caught:
                 self.close_reason = f"session reached its {self.hard_ttl:g} s limit; reconnect to go on"
+            elif serving.cancelled_caught:
+                self.close_reason = "the gateway is shutting down; reconnect when it is back"
+                await self._emit({"type": "error", "error": {"type": "server_error", "code": "gateway_shutdown",
+                                                             "message": self.close_reason, "param": None,
+                                                             "event_id": None}})
             await self.out.aclose()  # the writer sends what is queued, then stops
             with trio.move_on_after(2):
                 await flushed.wait()

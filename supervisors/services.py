@@ -25,7 +25,7 @@ from .registry import RegistryClient
 from .remotes import RemotesClient
 from .requests import RequestsClient
 from .responses import ResponsesClient
-from .session_quota import SessionQuota
+from .sessions import SessionsClient
 
 
 @dataclass
@@ -48,7 +48,7 @@ class Services:
     remotes: RemotesClient | None = None  # [[remotes]] peers (None: none configured)
     failover: FailoverClient | None = None  # [[failover]] chains (None: none configured)
     placement: PlacementClient | None = None  # memory across every lane
-    realtime_sessions: SessionQuota = field(default_factory=lambda: SessionQuota(0))  # open per key
+    sessions: SessionsClient | None = None  # long-lived sessions (realtime), listed, counted per key, drained
 
     def lane_clients(self) -> dict[str, LaneClient]:
         """Every lane by kind (a Services built with the text lane alone has just that one)."""

@@ -1,8 +1,10 @@
 """GET /v1/realtime: a WebSocket voice turn (STT -> chat -> TTS) on the whisper, text and piper lanes.
 
-A mailbox like the other routes: it checks the query, accepts the socket, and runs one RealtimeSession
-(supervisors/realtime.py) whose tasks live in this connection's nursery; the session reaches the engines
-through `GatewayPipeline`, each stage admitted and charged under the connection's key like a request.
+A mailbox like the other routes: it checks the query, admits the connection under its key, and hands one
+RealtimeSession (supervisors/realtime.py) to the Session supervisor (supervisors/sessions.py), whose task
+accepts the socket and serves it; the route waits for it to end (and ends it if the client vanishes). The
+session reaches the engines through `GatewayPipeline`, each stage admitted and charged under the
+connection's key like a request.
 Quart-Trio's own WebSocket support serves it, so it shares the gateway's one server and one port.
 """
 
@@ -82,25 +84,29 @@ async def realtime():
     settings = Settings(model=websocket.args.get("model") or DEFAULT_CHAT, voice=voice,
                         stt_model=websocket.args.get("stt_model") or "whisper-1")
     key = owner(websocket.scope)
-    quota = services.realtime_sessions
-    if not quota.take(key):
-        whose = f"the API key {key!r}" if key is not None else "this gateway"
-        return Refusal(429, f"{whose} already has {quota.held(key)} open /v1/realtime sessions; "
-                       f"realtime_sessions_per_key allows {quota.per_key}", code="realtime_sessions_exhausted",
-                       hint="close one first, or raise realtime_sessions_per_key in config.toml",
-                       retry_after=1).response(websocket.path)
+    refusal = await _admit_session(services, key)
+    if refusal is not None:
+        return refusal.response(websocket.path)
+    connection = websocket._get_current_object()  # the work runs in the session supervisor's task
+    session = RealtimeSession(settings, GatewayPipeline(services, key, settings.model),
+                              idle_ttl=services.config.realtime_idle_secs, hard_ttl=services.config.realtime_max_secs)
+
+    async def serve(stop: trio.Event) -> str:
+        await connection.accept()
+        return await session.run(connection.receive, connection.send, stop)
+
     try:
-        refusal = await _admit_session(services, key)
-        if refusal is not None:
-            return refusal.response(websocket.path)
-        await websocket.accept()
-        session = RealtimeSession(settings, GatewayPipeline(services, key, settings.model),
-                                  idle_ttl=services.config.realtime_idle_secs,
-                                  hard_ttl=services.config.realtime_max_secs)
-        reason = await session.run(websocket.receive, websocket.send)
-        await websocket.close(1000, reason[:120])
+        ticket = await services.sessions.start("realtime", key, serve, lambda: {
+            "session": session.id, "model": session.settings.model, "voice": session.settings.voice})
+    except ActorError as error:
+        return Refusal.from_err(error.err).response(websocket.path)
+    try:
+        await ticket.done.wait()
     finally:
-        quota.give_back(key)
+        if not ticket.done.is_set():
+            ticket.scope.cancel()  # the client vanished: its session ends with its connection
+    with trio.move_on_after(2):
+        await websocket.close(1001 if ticket.stop.is_set() else 1000, ticket.reason[:120])
 
 
 async def _admit_session(services: Any, key: str | None) -> Refusal | None:
