@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from quart import Response, request
-from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
 from blazar.errors import error_bytes
@@ -18,6 +17,7 @@ from .anthropic.batch_routes import blueprint as anthropic_batches
 from .anthropic.batch_routes import run_message_batch
 from .anthropic.routes import blueprint as anthropic
 from .census import closest_routes
+from .current import BlazarApp
 from .edge import Refusal
 from .native.engine_routes import blueprint as native_engine
 from .native.fabric_routes import blueprint as fabric
@@ -35,10 +35,6 @@ from .openai.responses_routes import blueprint as responses
 from .openai.responses_routes import run_background
 from .openai.routes import blueprint as openai
 from .roles import install as install_roles
-
-
-class BlazarApp(QuartTrio):
-    services: Services
 
 
 def job_kinds(services: Services) -> dict[str, JobKind]:

@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from quart import Blueprint, Response, current_app, request
+from quart import Blueprint, Response, request
 
 from blazar.keys import KeyChangeError, check_new_key
+from dialects.current import current_services
 from dialects.edge import Refusal
 from dialects.roles import Role, role
 from supervisors.actor import ActorError, ActorUnavailable
@@ -67,7 +68,7 @@ async def _ask(work: Any) -> Response:
 @role(Role.ADMIN)
 async def list_keys():
     async def work() -> Response:
-        services = current_app.services
+        services = current_services()
         await services.admission.flush()
         live = await services.admission.usage()
         rows = await services.ledger.query(
@@ -93,7 +94,7 @@ async def add_key():
             raise Refusal(400, f"the body is not JSON ({error})", hint='send {"name": "laptop"}') from None
         if not isinstance(body, dict):
             raise Refusal(400, "the body must be a JSON object", hint='send {"name": "laptop"}')
-        created = await current_app.services.registry.add_key(check_new_key(body))
+        created = await current_services().registry.add_key(check_new_key(body))
         created["note"] = "the secret is shown only this once; the gateway keeps only its hash"
         return _json(created, status=201)
 
@@ -104,7 +105,7 @@ async def add_key():
 @role(Role.ADMIN)
 async def remove_key():
     async def work() -> Response:
-        return _json(await current_app.services.registry.remove_key(_name_arg()))
+        return _json(await current_services().registry.remove_key(_name_arg()))
 
     return await _ask(work)
 
@@ -113,7 +114,7 @@ async def remove_key():
 @role(Role.ADMIN)
 async def rotate_key():
     async def work() -> Response:
-        rotated = await current_app.services.registry.rotate_key(_name_arg())
+        rotated = await current_services().registry.rotate_key(_name_arg())
         rotated["note"] = "the old secret no longer works; the new one is shown only this once"
         return _json(rotated)
 

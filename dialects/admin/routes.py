@@ -10,9 +10,10 @@ from typing import Any
 
 import msgspec
 import trio
-from quart import Blueprint, Response, current_app, request
+from quart import Blueprint, Response, request
 
 from blazar.sysinfo import meminfo
+from dialects.current import current_services
 from dialects.edge import Refusal, num_ctx_header, residents
 from dialects.roles import Role, caller_is_admin, require_scope, role
 from supervisors.actor import ActorError
@@ -39,7 +40,7 @@ async def console():
 @blueprint.get("/metrics")
 @role(Role.KEY)
 async def metrics():
-    services = current_app.services
+    services = current_services()
     services.obs.set_residents(await residents(services))
     exposition = services.obs.exposition()
     if not caller_is_admin(request.scope):
@@ -62,7 +63,7 @@ def without_key_series(exposition: bytes) -> bytes:
 @blueprint.get("/api/quantiles")
 @role(Role.KEY)
 async def quantiles():
-    services = current_app.services
+    services = current_services()
     usage = await services.admission.usage() if services.admission.gate.table.enabled else {}
     mine = request.scope.get("blazar.key")
     if mine is not None and not mine.admin:
@@ -71,7 +72,7 @@ async def quantiles():
 
 
 def _event_stream(kinds: set[str] | None, greeting: bytes) -> Response:
-    obs = current_app.services.obs
+    obs = current_services().obs
     receive = obs.subscribe()
 
     async def stream() -> AsyncIterator[bytes]:
@@ -113,7 +114,7 @@ async def explain(model: str):
         raw = request.args.get("num_ctx")
         num_ctx = int(raw) if raw and raw.isdigit() else num_ctx_header(request.headers)
         require_scope(model)
-        card = await current_app.services.lane.explain(model, num_ctx)
+        card = await current_services().lane.explain(model, num_ctx)
     except Refusal as error:
         return Response(msgspec.json.encode({"error": error.message}), status=error.status,
                         content_type="application/json")
@@ -176,12 +177,12 @@ async def rpc_worker_lines(services: Any) -> list[dict[str, Any]]:
 @role(Role.KEY)
 async def capacity():
     devices, note = await trio.to_thread.run_sync(gpu_census)
-    rows = await residents(current_app.services)
+    rows = await residents(current_services())
     resident_pids = {row.get("pid") for row in rows}
     for device in devices:
         for process in device["compute_processes"]:
             process["resident"] = process["pid"] in resident_pids
-    services = current_app.services
+    services = current_services()
     placement = await services.placement.describe() if services.placement is not None else None
     return _json({"gpus": devices, "note": note, "cpu": await trio.to_thread.run_sync(_cpu),
                   "placement": placement, "remotes": await remote_lines(services),
@@ -194,7 +195,7 @@ async def capacity():
 async def fabric():
     from blazar.engines import Roster
 
-    services = current_app.services
+    services = current_services()
     devices, note = await trio.to_thread.run_sync(gpu_census)
     roster = await trio.to_thread.run_sync(Roster(services.paths).read)
     rows = await residents(services)
@@ -217,7 +218,7 @@ async def fabric():
 @blueprint.get("/api/benchmarks")
 @role(Role.KEY)
 async def benchmarks():
-    rows = await current_app.services.ledger.query(
+    rows = await current_services().ledger.query(
         "SELECT model, engine_tag, MAX(ts) AS measured, pp_tps, tg_tps, detail FROM benchmarks "
         "GROUP BY model, engine_tag ORDER BY model, engine_tag")
     return _json({"benchmarks": [{"model": r["model"], "engine": r["engine_tag"], "measured_at": r["measured"],

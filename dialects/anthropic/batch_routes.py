@@ -11,10 +11,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
-from quart import Blueprint, Response, current_app, request
+from quart import Blueprint, Response, request
 
 from dialects.batches import LOW_PRIORITY, RETENTION_SECS, ItemFailed, counts_of, expired, item_rows, run_items
 from dialects.chat_core import run_chat
+from dialects.current import current_services
 from dialects.edge import Refusal, admit_work, json_response, limit_arg, owner, refuse, viewer
 from dialects.roles import Role, role
 from dialects.wire import RequestError, decode_object
@@ -70,14 +71,14 @@ def _missing(batch_id: str) -> Response:
 
 
 async def _row(batch_id: str) -> dict[str, Any] | None:
-    row = await current_app.services.jobs.get(batch_id, viewer())
+    row = await current_services().jobs.get(batch_id, viewer())
     return row if row is not None and row["kind"] == "message_batch" and not row.get("archived") else None
 
 
 @blueprint.post("/v1/messages/batches")
 @role(Role.KEY)
 async def create_batch():
-    services = current_app.services
+    services = current_services()
     try:
         body = decode_object(await request.get_data())
         requests = body.get("requests")
@@ -108,7 +109,7 @@ async def list_batches():
         limit = limit_arg(request.args, 20, 1000)
     except Refusal as error:
         return refuse(error)
-    rows = await current_app.services.jobs.list(state=None, kind="message_batch", limit=limit, viewer=viewer())
+    rows = await current_services().jobs.list(state=None, kind="message_batch", limit=limit, viewer=viewer())
     data = [batch_object(r) for r in rows if not r.get("archived")]
     return json_response({"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
                           "last_id": data[-1]["id"] if data else None})
@@ -124,7 +125,7 @@ async def get_batch(batch_id: str):
 @blueprint.post("/v1/messages/batches/<batch_id>/cancel")
 @role(Role.KEY)
 async def cancel_batch(batch_id: str):
-    services = current_app.services
+    services = current_services()
     row = await _row(batch_id)
     if row is None:
         return _missing(batch_id)
@@ -149,7 +150,7 @@ async def _ended_row(batch_id: str, what: str, fix: str) -> dict[str, Any]:
 @blueprint.get("/v1/messages/batches/<batch_id>/results")
 @role(Role.KEY)
 async def batch_results(batch_id: str):
-    services = current_app.services
+    services = current_services()
     try:
         row = await _ended_row(batch_id, "results are ready once processing_status is \"ended\"",
                                f"poll GET /v1/messages/batches/{batch_id}")
@@ -181,5 +182,5 @@ async def delete_batch(batch_id: str):
                          f"cancel it first: POST /v1/messages/batches/{batch_id}/cancel")
     except Refusal as error:
         return refuse(error)
-    await current_app.services.jobs.archive(batch_id)
+    await current_services().jobs.archive(batch_id)
     return json_response({"id": batch_id, "type": "message_batch_deleted"})

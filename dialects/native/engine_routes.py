@@ -7,8 +7,9 @@ resident and no selector the request is refused with the list to choose from.
 from __future__ import annotations
 
 import msgspec
-from quart import Blueprint, Response, current_app, request
+from quart import Blueprint, Response, request
 
+from dialects.current import current_services
 from dialects.edge import Refusal, forward, json_reply, sse_response, unload_anywhere
 from dialects.openai.routes import openai_error_frame
 from dialects.roles import Role, role
@@ -25,7 +26,7 @@ async def target_model(*, resident_only: bool = False) -> str:
     chosen = request.headers.get("x-blazar-model") or request.args.get("model")
     if chosen and not resident_only:
         return chosen
-    live = [row for row in await current_app.services.lane.ps() if row.get("state") in ("ready", "busy")]
+    live = [row for row in await current_services().lane.ps() if row.get("state") in ("ready", "busy")]
     if chosen:
         if any(row["model"] == chosen for row in live):
             return chosen
@@ -53,7 +54,7 @@ async def _native(path: str, method: str = "POST", *, stream_ok: bool = False):
                 stream = msgspec.json.decode(raw).get("stream") is True
             except (msgspec.DecodeError, AttributeError):
                 raise Refusal(400, "the request body must be a JSON object") from None
-        result = await forward(current_app.services, model,
+        result = await forward(current_services(), model,
                                UpstreamCall(method=method, path=path, body=raw, stream=stream), request.headers)
         if isinstance(result, UpstreamReply):
             return json_reply(result)
@@ -129,7 +130,7 @@ async def slot_action(slot_id: int):
 @blueprint.post("/api/ps/reset")
 @role(Role.ADMIN)
 async def ps_reset():
-    services = current_app.services
+    services = current_services()
     cleared = []
     for lane in services.lane_clients().values():
         cleared += await lane.reset(request.args.get("model"))
@@ -150,7 +151,7 @@ async def evict():
     from supervisors.actor import ActorError
 
     try:
-        result = await unload_anywhere(current_app.services, model)
+        result = await unload_anywhere(current_services(), model)
     except ActorError as error:
         return Response(msgspec.json.encode({"error": error.err.message}), status=error.err.status,
                         content_type="application/json")

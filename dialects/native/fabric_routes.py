@@ -11,9 +11,10 @@ from typing import Any
 
 import msgspec
 import trio
-from quart import Blueprint, current_app
+from quart import Blueprint
 
 from blazar.fabric_config import parse_failover_target
+from dialects.current import current_services
 from dialects.edge import (
     Refusal,
     admit_request,
@@ -45,7 +46,7 @@ async def warm():
     """Detached by default (the lane starts loading, the answer is at once); `"wait": true` answers once the
     model serves, with its lane, engine and load time. A load takes no request slot, so it never starves
     traffic; the readiness check queues at low priority."""
-    services = current_app.services
+    services = current_services()
     try:
         body = await json_body()
         model = require_model(body)
@@ -76,7 +77,7 @@ async def warm():
 @role(Role.ADMIN)
 async def replicate():
     """Warm a model on peers (named, or every remote), concurrently, each bounded; results verbatim."""
-    services = current_app.services
+    services = current_services()
     try:
         body = await json_body()
         model = require_model(body)
@@ -141,7 +142,7 @@ def _peers_arg(services: Any, raw: Any) -> list[str]:
 @blueprint.get("/api/route/<path:model>")
 @role(Role.KEY)
 async def route(model: str):
-    services = current_app.services
+    services = current_services()
     peers = await services.remotes.describe_all() if services.remotes is not None else []
     rows = await residents(services)
     card: dict[str, Any] = {"model": model, "peers": [_peer_line(p, None) for p in peers]}
@@ -240,14 +241,14 @@ def _no_chains(services: Any) -> None:
 @blueprint.get("/api/failover")
 @role(Role.KEY)
 async def failover_list():
-    services = current_app.services
+    services = current_services()
     if services.failover is None:
         return json_response({"chains": []})
     return json_response({"chains": await services.failover.show()})
 
 
 async def _chain_call(work) -> Any:
-    services = current_app.services
+    services = current_services()
     try:
         _no_chains(services)
         return json_response(await work(services.failover))

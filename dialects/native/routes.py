@@ -8,6 +8,7 @@ from quart import Blueprint, current_app
 from blazar import __version__
 from blazar.errors import dialect_for_path
 from dialects.census import route_census
+from dialects.current import current_services
 from dialects.edge import json_response
 from dialects.native.manifest import build_manifest
 from dialects.roles import Role, role, roles_by_route
@@ -25,7 +26,7 @@ async def health() -> tuple[str, int, dict[str, str]]:
 @blueprint.get("/.well-known/blazar")
 @role(Role.KEY)
 async def well_known():
-    services = current_app.services
+    services = current_services()
     census = route_census(current_app)
     return json_response(build_manifest(
         version=__version__,

@@ -9,12 +9,13 @@ from typing import Any
 
 import msgspec
 import trio
-from quart import Blueprint, Response, current_app, request
+from quart import Blueprint, Response, request
 
 from blazar import __version__
 from blazar.config import ConfigError, parse_duration
 from blazar.sysinfo import gpu_memory_by_pid
 from dialects.chat_core import ChatResult, StreamBroken, ToolCallAccumulator, completion_result
+from dialects.current import current_services
 from dialects.edge import (
     Refusal,
     admit_request,
@@ -27,6 +28,7 @@ from dialects.edge import (
     residents,
     submit,
     unload_anywhere,
+    viewer,
 )
 from dialects.roles import Role, require_admin, require_scope, role
 from dialects.session import RequestSession, chat_session, flight_key
@@ -69,7 +71,7 @@ _LOGGED_UNUSED = _OnceEach()
 def _read_request(route: str, body: dict[str, Any]) -> tuple[t.OptionsRead, dict[str, str]]:
     """The body's options and fields read the way Ollama treats them, and the headers naming what was served
     but not used (refused instead under `ollama_strict_options`)."""
-    strict = current_app.services.config.ollama_strict_options
+    strict = current_services().config.ollama_strict_options
     options = t.read_options(body.get("options"), strict=strict, sampling=route in ("chat", "generate"))
     fields = t.ignored_fields(route, body, strict=strict)
     headers = {}
@@ -107,7 +109,7 @@ def _store():
     """For reads inside worker threads only (Store creates folders); changes go through the registry."""
     from blazar.store import Store
 
-    return Store(current_app.services.paths)
+    return Store(current_services().paths)
 
 
 def _details(manifest: Any) -> dict[str, Any]:
@@ -129,7 +131,7 @@ async def tags():
     from blazar.engines import Roster
 
     def listing() -> list[dict[str, Any]]:
-        engine = Roster(current_app.services.paths).active()
+        engine = Roster(current_services().paths).active()
         return [{"name": m.name, "model": m.name, "modified_at": t.rfc3339(m.created_at), "size": m.size,
                  "digest": m.blob, "details": _details(m), "blazar_engine": engine.tag if engine else None}
                 for m in _store().all()]
@@ -173,7 +175,7 @@ async def show():
 async def delete():
     try:
         body = await json_body()
-        await current_app.services.registry.delete_model(t.require_model(body))
+        await current_services().registry.delete_model(t.require_model(body))
     except (RequestError, Refusal) as error:
         return refuse(error)
     except ActorError as error:
@@ -189,7 +191,7 @@ async def copy():
         source, destination = body.get("source"), body.get("destination")
         if not isinstance(source, str) or not isinstance(destination, str):
             raise RequestError("`source` and `destination` are required model names")
-        await current_app.services.registry.copy_model(source, destination)
+        await current_services().registry.copy_model(source, destination)
     except (RequestError, Refusal) as error:
         return refuse(error)
     except ActorError as error:
@@ -201,7 +203,7 @@ async def copy():
 @role(Role.KEY)
 async def ps():
     """Ollama's shape, plus Blazar's own fields (slots, ports, in-flight, keep-alive countdown, engine)."""
-    rows = await residents(current_app.services)
+    rows = await residents(current_services())
     on_gpu = {row["pid"] for row in rows if row.get("pid") and row.get("gpu_engine")}
     vram = await trio.to_thread.run_sync(gpu_memory_by_pid, on_gpu) if on_gpu else {}
     now = time.time()
@@ -213,13 +215,17 @@ async def ps():
                        "digest": row.get("digest", ""), "context_length": row.get("context"),
                        "expires_at": t.rfc3339(now + idle) if idle is not None else None,
                        "blazar_engine": row.get("engine")})
-    services = current_app.services
-    if services.remotes is None:
-        return _json({"models": models})
-    remotes = [{"name": peer["name"], "kind": peer.get("kind"), "reach": peer.get("reach"),
-                "breaker": peer.get("breaker"), **({"capacity": peer["capacity"]} if peer.get("capacity") else {})}
-               for peer in await services.remotes.describe_all()]
-    return _json({"models": models, "remotes": remotes})
+    services = current_services()
+    listing: dict[str, Any] = {"models": models}
+    sessions = await services.sessions.list(viewer()) if services.sessions is not None else []
+    if sessions:  # open realtime sessions, each under the session supervisor (a scoped key sees its own)
+        listing["sessions"] = sessions
+    if services.remotes is not None:
+        listing["remotes"] = [{"name": peer["name"], "kind": peer.get("kind"), "reach": peer.get("reach"),
+                               "breaker": peer.get("breaker"),
+                               **({"capacity": peer["capacity"]} if peer.get("capacity") else {})}
+                              for peer in await services.remotes.describe_all()]
+    return _json(listing)
 
 
 async def run_pull(services: Any, ctx: JobContext) -> dict[str, Any]:
@@ -239,7 +245,7 @@ async def run_pull(services: Any, ctx: JobContext) -> dict[str, Any]:
 @role(Role.ADMIN)
 async def pull():
     """A mailbox: the pull runs as a job (the registry actor does the work); this route relays its progress."""
-    services = current_app.services
+    services = current_services()
     try:
         body = await json_body()
         target = t.require_model(body)
@@ -283,7 +289,7 @@ async def pull():
 
 
 async def _chat_like(kind: str):
-    services = current_app.services
+    services = current_services()
     started = time.perf_counter()
     try:
         body = await json_body()
@@ -402,7 +408,7 @@ async def _load_or_unload(body: dict[str, Any], model: str, options: t.OptionsRe
                           unused: dict[str, str]) -> Response:
     """Ollama's idiom: an empty chat/generate loads the model; with keep_alive 0 it unloads it."""
     keep_alive = _keep_alive(body)
-    services = current_app.services
+    services = current_services()
     kind = "message" if "messages" in body else "response"
     if keep_alive == 0:
         try:
@@ -441,7 +447,7 @@ async def generate():
 
 
 async def _embed(legacy: bool):
-    services = current_app.services
+    services = current_services()
     started = time.perf_counter()
     try:
         body = await json_body()
@@ -487,7 +493,7 @@ async def rerank():
     try:
         body = await json_body()
         model = t.require_model(body)
-        reply = await forward(current_app.services, model, UpstreamCall(
+        reply = await forward(current_services(), model, UpstreamCall(
             path="/v1/rerank", body=msgspec.json.encode(body)), request.headers)
     except (RequestError, Refusal) as error:
         return refuse(error)

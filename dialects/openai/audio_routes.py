@@ -16,10 +16,11 @@ from typing import Any
 
 import msgspec
 import trio
-from quart import Blueprint, Response, current_app, request
+from quart import Blueprint, Response, request
 
 from blazar import audio_models, childproc
 from blazar.pcm import pcm_to_wav
+from dialects.current import current_blazar, current_services
 from dialects.edge import (
     Refusal,
     acting_for,
@@ -108,7 +109,7 @@ async def _form() -> tuple[dict[str, list[str]], bytes, str]:
 
 
 async def _speech_to_text(task: str):
-    services = current_app.services
+    services = current_services()
     try:
         fields, audio, filename = await _form()
         transcription = t.check_transcription(fields, task)
@@ -204,7 +205,7 @@ def _streamed(services: Any, model: str, audio: bytes, options: dict[str, Any],
                 if isinstance(result, Refusal):
                     return
 
-    current_app.nursery.start_soon(decode)
+    current_blazar().nursery.start_soon(decode)
 
     async def events() -> AsyncIterator[bytes]:
         segments: list[dict[str, Any]] = []
@@ -300,7 +301,7 @@ def _audio_job_view(row: dict[str, Any]) -> dict[str, Any]:
 @blueprint.get("/v1/audio/jobs/<job_id>")
 @role(Role.KEY)
 async def audio_job(job_id: str):
-    row = await current_app.services.jobs.get(job_id, viewer())
+    row = await current_services().jobs.get(job_id, viewer())
     if row is None or row["kind"] != "audio":
         return refuse(Refusal(404, f"no audio job {job_id}", hint="GET /v1/jobs?kind=audio lists yours"))
     return json_response(_audio_job_view(row))
@@ -309,7 +310,7 @@ async def audio_job(job_id: str):
 @blueprint.post("/v1/audio/jobs/<job_id>/cancel")
 @role(Role.KEY)
 async def cancel_audio_job(job_id: str):
-    services = current_app.services
+    services = current_services()
     row = await services.jobs.get(job_id, viewer())
     if row is None or row["kind"] != "audio":
         return refuse(Refusal(404, f"no audio job {job_id}", hint="GET /v1/jobs?kind=audio lists yours"))
@@ -346,7 +347,7 @@ def _ffmpeg(pcm_rate: int, fmt: str, *, wav: bool = False) -> list[str]:
 @blueprint.post("/v1/audio/speech")
 @role(Role.KEY)
 async def speech():
-    services = current_app.services
+    services = current_services()
     try:
         body = decode_object(await request.get_data())
         speech_request = t.check_speech(body)
@@ -472,7 +473,7 @@ def _live_transcode(stream: Any, argv: list[str]) -> AsyncIterator[bytes]:
         finally:
             await childproc.stop(process)
 
-    current_app.nursery.start_soon(pipe)
+    current_blazar().nursery.start_soon(pipe)
 
     async def relay() -> AsyncIterator[bytes]:
         with receive:
@@ -488,7 +489,7 @@ def _live_transcode(stream: Any, argv: list[str]) -> AsyncIterator[bytes]:
 @blueprint.get("/v1/audio/voices")
 @role(Role.KEY)
 async def voices():
-    services = current_app.services
+    services = current_services()
     installed = await trio.to_thread.run_sync(
         lambda: [audio_models.voice_info(services.paths, v) for v in audio_models.installed_voices(services.paths)])
     payload: dict[str, Any] = {"object": "list", "data": installed}
@@ -529,7 +530,7 @@ def _search_voices(query: str) -> list[dict[str, Any]]:
 @role(Role.KEY)
 async def capabilities():
     """What the audio lanes can do here; boots nothing."""
-    services = current_app.services
+    services = current_services()
     from lanes.speech import package_version
 
     whisper = await trio.to_thread.run_sync(audio_models.installed_whisper, services.paths)

@@ -12,10 +12,11 @@ from typing import Any
 
 import msgspec
 import trio
-from quart import Blueprint, Response, current_app, request
+from quart import Blueprint, Response, request
 
 from dialects.batches import LOW_PRIORITY, ItemFailed, count_lines, counts_of, decode_lines, item_rows, run_items
 from dialects.chat_core import completion_result, run_chat
+from dialects.current import current_services
 from dialects.edge import Refusal, admit_work, forward, json_response, limit_arg, owner, refuse, viewer
 from dialects.roles import Role, role
 from dialects.wire import RequestError, check_choices, decode_object, require_model
@@ -54,7 +55,7 @@ async def _file_row(services: Any, file_id: str) -> dict[str, Any] | None:
 @blueprint.post("/v1/files")
 @role(Role.KEY)
 async def upload_file():
-    services = current_app.services
+    services = current_services()
     form = await request.form
     files = await request.files
     purpose = form.get("purpose")
@@ -138,7 +139,7 @@ async def _batch_file(services: Any, file_id: str) -> tuple[dict[str, Any], byte
 @blueprint.get("/v1/files/<file_id>")
 @role(Role.KEY)
 async def get_file(file_id: str):
-    services = current_app.services
+    services = current_services()
     rendered = await _batch_file(services, file_id)
     if rendered is not None:
         return json_response(_file_object(rendered[0]))
@@ -154,7 +155,7 @@ async def delete_file(file_id: str):
     """OpenAI's file delete: the owner's upload (or any, for an admin key) leaves the ledger and the disk. A
     batch still queued or running reads its input file (again after a restart), so that file is kept until
     the batch ends."""
-    services = current_app.services
+    services = current_services()
     row = await _file_row(services, file_id)
     if row is None:
         hint = "batch output and error files are rendered from the batch; they go with it" \
@@ -176,7 +177,7 @@ async def delete_file(file_id: str):
 @blueprint.get("/v1/files/<file_id>/content")
 @role(Role.KEY)
 async def file_content(file_id: str):
-    services = current_app.services
+    services = current_services()
     rendered = await _batch_file(services, file_id)
     if rendered is not None:
         return Response(rendered[1], content_type="application/jsonl")
@@ -258,7 +259,7 @@ def batch_object(row: dict[str, Any]) -> dict[str, Any]:
 @blueprint.post("/v1/batches")
 @role(Role.KEY)
 async def create_batch():
-    services = current_app.services
+    services = current_services()
     try:
         body = decode_object(await request.get_data())
         endpoint = body.get("endpoint")
@@ -297,14 +298,14 @@ async def list_batches():
         limit = limit_arg(request.args, 20, 100)
     except Refusal as error:
         return refuse(error)
-    rows = await current_app.services.jobs.list(state=None, kind="batch", limit=limit, viewer=viewer())
+    rows = await current_services().jobs.list(state=None, kind="batch", limit=limit, viewer=viewer())
     data = [batch_object(r) for r in rows]
     return json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                           "last_id": data[-1]["id"] if data else None, "has_more": False})
 
 
 async def _batch_row(batch_id: str) -> dict[str, Any] | None:
-    row = await current_app.services.jobs.get(batch_id, viewer())
+    row = await current_services().jobs.get(batch_id, viewer())
     return row if row is not None and row["kind"] == "batch" else None
 
 
@@ -320,7 +321,7 @@ async def get_batch(batch_id: str):
 @blueprint.post("/v1/batches/<batch_id>/cancel")
 @role(Role.KEY)
 async def cancel_batch(batch_id: str):
-    services = current_app.services
+    services = current_services()
     row = await _batch_row(batch_id)
     if row is None:
         return refuse(Refusal(404, f"no batch {batch_id}", hint="GET /v1/batches lists yours"))

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import msgspec
-from quart import Blueprint, Response, current_app, request
+from quart import Blueprint, Response, request
 
+from dialects.current import current_services
 from dialects.edge import Refusal, viewer
 from dialects.roles import Role, role
 from supervisors.actor import ActorError
@@ -24,7 +25,7 @@ async def list_requests():
                                            "failed"):
         return Refusal(400, f"?state= must be one of queued, running, done, cancelled, interrupted, disconnected, "
                        f"failed; got {state!r}").response(request.path)
-    rows = await current_app.services.requests.list(request.args.get("model"), state, viewer())
+    rows = await current_services().requests.list(request.args.get("model"), state, viewer())
     return _json({"object": "list", "data": rows})
 
 
@@ -32,7 +33,7 @@ async def list_requests():
 @role(Role.KEY)
 async def get_request(card_id: str):
     try:
-        return _json(await current_app.services.requests.get(card_id, viewer()))
+        return _json(await current_services().requests.get(card_id, viewer()))
     except ActorError as error:
         return Refusal.from_err(error.err).response(request.path)
 
@@ -51,7 +52,7 @@ async def interrupt_request(card_id: str):
 
 async def _signal(card_id: str, kind: str) -> Response:
     try:
-        card = await current_app.services.requests.signal(card_id, kind, viewer())
+        card = await current_services().requests.signal(card_id, kind, viewer())
     except ActorError as error:
         return Refusal.from_err(error.err).response(request.path)
     return _json({**card, "signal": kind})

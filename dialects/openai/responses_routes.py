@@ -9,9 +9,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-from quart import Blueprint, Response, current_app, request
+from quart import Blueprint, Response, request
 
 from dialects.chat_core import StreamBroken, run_chat
+from dialects.current import current_services
 from dialects.edge import Refusal, acting_for, admit_work, json_response, owner, refuse, viewer
 from dialects.roles import Role, role
 from dialects.session import RequestSession, flight_key
@@ -94,7 +95,7 @@ async def run_background(services: Any, ctx: Any) -> dict[str, Any]:
 @blueprint.post("/responses")
 @role(Role.KEY)
 async def create_response():
-    services = current_app.services
+    services = current_services()
     try:
         body = decode_object(await request.get_data())
         t.check_request(body)
@@ -143,7 +144,7 @@ async def create_response():
 @role(Role.KEY)
 async def get_response(response_id: str):
     """A stored response verbatim; a background one's job status while it runs, or its failure."""
-    services = current_app.services
+    services = current_services()
     stored = await services.responses.get(response_id, viewer())
     if stored is not None:
         return Response(msgspec.json.encode(stored.body), content_type="application/json")
@@ -166,7 +167,7 @@ async def get_response(response_id: str):
 @blueprint.get("/v1/conversations/<name>")
 @role(Role.KEY)
 async def get_conversation(name: str):
-    thread = await current_app.services.responses.conversation(name, viewer())
+    thread = await current_services().responses.conversation(name, viewer())
     if not thread:
         return refuse(Refusal(404, f"no conversation {name!r}: a conversation exists once a stored response names "
                               "it", hint="POST /v1/responses with \"conversation\": \"" + name + "\""))
@@ -177,7 +178,7 @@ async def get_conversation(name: str):
 @blueprint.delete("/v1/conversations/<name>")
 @role(Role.KEY)
 async def delete_conversation(name: str):
-    removed = await current_app.services.responses.delete_conversation(name, viewer())
+    removed = await current_services().responses.delete_conversation(name, viewer())
     if not removed:
         return refuse(Refusal(404, f"no conversation {name!r}"))
     return json_response({"object": "conversation.deleted", "id": name, "deleted": True, "responses": removed})

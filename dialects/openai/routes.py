@@ -7,9 +7,10 @@ from typing import Any
 
 import msgspec
 import trio
-from quart import Blueprint, Response, current_app, request
+from quart import Blueprint, Response, request
 
 from dialects.chat_core import ChatResult, StreamBroken, completion_result, run_chat
+from dialects.current import current_services
 from dialects.edge import Refusal, count_input_tokens, forward, json_body, json_reply, owner, refuse, residents
 from dialects.roles import Role, role
 from dialects.session import RequestSession, flight_key
@@ -43,7 +44,7 @@ def cancel_frame(message: str) -> bytes:
 @role(Role.KEY)
 async def chat_completions():
     """A mailbox: validate, then the canonical chat call inside a request session; relay its answer."""
-    services = current_app.services
+    services = current_services()
     try:
         body = await json_body()
         model = require_model(body)
@@ -97,7 +98,7 @@ async def update_completion(completion_id: str):
         metadata = check_metadata(body, required=True)
     except (RequestError, Refusal) as error:
         return refuse(error)
-    card = await current_app.services.requests.update_completion(completion_id, metadata, owner())  # refusals: app.py
+    card = await current_services().requests.update_completion(completion_id, metadata, owner())  # refusals: app.py
     return Response(msgspec.json.encode(card), content_type="application/json")
 
 
@@ -106,7 +107,7 @@ async def _passthrough(path: str):
     try:
         body = await json_body()
         model = require_model(body)
-        result = await forward(current_app.services, model, UpstreamCall(path=path, body=msgspec.json.encode(body)),
+        result = await forward(current_services(), model, UpstreamCall(path=path, body=msgspec.json.encode(body)),
                                request.headers)
         return json_reply(result)
     except (RequestError, Refusal) as error:
@@ -117,7 +118,7 @@ async def _passthrough(path: str):
 @role(Role.KEY)
 async def completions():
     """Text completion inside a request session, relayed as the engine's bytes when streamed."""
-    services = current_app.services
+    services = current_services()
     try:
         body = await json_body()
         model = require_model(body)
@@ -189,7 +190,7 @@ async def responses_input_tokens():
 
 
 async def _count_tokens(model: str, template_body: dict[str, Any]) -> Response:
-    count = await count_input_tokens(current_app.services, model, template_body, request.headers)
+    count = await count_input_tokens(current_services(), model, template_body, request.headers)
     return Response(msgspec.json.encode({"object": "response.input_tokens", "input_tokens": count}),
                     content_type="application/json")
 
@@ -215,7 +216,7 @@ def speech_models(paths: Any) -> list[dict[str, Any]]:
 @blueprint.get("/v1/models")
 @role(Role.KEY)
 async def models():
-    services = current_app.services
+    services = current_services()
     from blazar.store import Store
 
     def listing() -> list[dict[str, Any]]:
