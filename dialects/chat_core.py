@@ -19,9 +19,10 @@ from typing import Any
 
 import msgspec
 
-from dialects.edge import Refusal, engine_failure, forward
+from dialects.edge import Refusal, buffered, engine_failure, forward
 from dialects.wire import SSEParser, ThinkFilter, bridge_reasoning, data_of, strip_think_buffered, thinking_requested
 from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply, UpstreamStream
+from supervisors.services import Services
 
 
 class StreamBroken(Exception):
@@ -141,7 +142,7 @@ async def tool_call_chunks(payload: dict[str, Any]) -> AsyncIterator[dict[str, A
            "usage": payload.get("usage"), "timings": payload.get("timings")}
 
 
-async def run_chat(services: Any, body: dict[str, Any], headers: Any, *, keep_alive: float | None = None,
+async def run_chat(services: Services, body: dict[str, Any], headers: Any, *, keep_alive: float | None = None,
                    num_ctx: int | None = None, spawn_options: dict[str, Any] | None = None, choices: int = 1,
                    raw_stream: bool = False) -> ChatResult:
     """`body` is an OpenAI chat request with `model` and `messages` already validated. With `raw_stream`
@@ -153,9 +154,9 @@ async def run_chat(services: Any, body: dict[str, Any], headers: Any, *, keep_al
     stream = body.get("stream") is True
     if plan is not None:
         rewritten = enforce_tools(body, plan)
-        reply = await forward(services, model, UpstreamCall(path="/v1/chat/completions",
-                                                            body=msgspec.json.encode(rewritten)), headers,
-                              keep_alive=keep_alive, num_ctx=num_ctx, spawn_options=spawn_options)
+        reply = buffered(await forward(services, model, UpstreamCall(path="/v1/chat/completions",
+                                                                     body=msgspec.json.encode(rewritten)), headers,
+                                       keep_alive=keep_alive, num_ctx=num_ctx, spawn_options=spawn_options))
         if reply.status >= 400:
             raise engine_failure(reply)
         payload = tool_call_payload(msgspec.json.decode(reply.body))

@@ -20,6 +20,7 @@ from quart import Response
 from blazar.admission import HeaderError, schedule
 from blazar.errors import error_bytes
 from blazar.fabric_config import parse_failover_target, remote_target
+from dialects.current import blazar_scope, key_record
 from dialects.wire import RequestError, check_choices, decode_object
 from lanes.base import PlanRefused
 from lanes.remote import HOPS_HEADER, MAX_HOPS, PASSED_HEADERS
@@ -34,7 +35,8 @@ from supervisors.instance import (
     Withdraw,
     next_ticket,
 )
-from supervisors.lane import Handle
+from supervisors.lane import Handle, LaneClient
+from supervisors.services import Services
 
 REQUEST_CALL_LIMIT_SECS = 3600.0  # the longest a single generation may take end to end
 
@@ -81,7 +83,7 @@ async def json_body() -> dict[str, Any]:
     from quart import request
 
     try:
-        return decode_object(await request.get_data())
+        return decode_object(await request.get_data(cache=True, as_text=False, parse_form_data=False))  # bytes
     except RequestError as error:
         raise Refusal(400, error.message) from None
 
@@ -109,7 +111,7 @@ def viewer() -> str | None:
     gateway all (None)."""
     from quart import request
 
-    record = request.scope.get("blazar.key")
+    record = key_record(request.scope)
     if not request.scope.get("blazar.auth") or record is None or record.admin:
         return None
     return record.name
@@ -120,7 +122,7 @@ def _tag_model(model: str) -> None:
     from quart import has_request_context, request
 
     if has_request_context():
-        request.scope["blazar.model"] = model
+        blazar_scope(request.scope)["blazar.model"] = model
 
 
 class Principal:
@@ -135,7 +137,7 @@ PRINCIPAL: ContextVar[Principal | None] = ContextVar("blazar_principal", default
 
 
 @asynccontextmanager
-async def acting_for(services: Any, key: str | None) -> AsyncIterator[None]:
+async def acting_for(services: Services, key: str | None) -> AsyncIterator[None]:
     """Run a job's unit of work under its owner's key: it is admitted and charged like a live request of
     that key, and its leases go back when the unit ends. An open gateway (no key) admits everything."""
     if key is None or services.admission is None:
@@ -152,19 +154,20 @@ async def acting_for(services: Any, key: str | None) -> AsyncIterator[None]:
                 await services.admission.release(lease)
 
 
-async def _admit_principal(services: Any, model: str, charge: str) -> Callable[[int], None] | None:
+async def _admit_principal(services: Services, model: str, charge: str) -> Callable[[int], None] | None:
     principal = PRINCIPAL.get()
-    if principal is None or services.admission is None:
+    admission = services.admission
+    if principal is None or admission is None:
         return None
     try:
-        principal.leases.append(await services.admission.admit(principal.name, model, charge))
+        principal.leases.append(await admission.admit(principal.name, model, charge))
     except ActorError as error:
         raise Refusal.from_err(error.err) from None
     name = principal.name
-    return lambda tokens: services.admission.charge(name, tokens)
+    return lambda tokens: admission.charge(name, tokens)
 
 
-async def residents(services: Any) -> list[dict[str, Any]]:
+async def residents(services: Services) -> list[dict[str, Any]]:
     """What every lane has resident (text, whisper, piper children alike)."""
     rows: list[dict[str, Any]] = []
     for lane in services.lane_clients().values():
@@ -172,7 +175,7 @@ async def residents(services: Any) -> list[dict[str, Any]]:
     return rows
 
 
-async def unload_anywhere(services: Any, model: str) -> dict[str, Any]:
+async def unload_anywhere(services: Services, model: str) -> dict[str, Any]:
     """Unload `model` from the lane that has it; the text lane's refusal when none does."""
     first: ActorError | None = None
     for lane in services.lane_clients().values():
@@ -186,7 +189,7 @@ async def unload_anywhere(services: Any, model: str) -> dict[str, Any]:
     raise first
 
 
-async def admit_request(services: Any, model: str, charge: str = "tokens") -> Callable[[int], None] | None:
+async def admit_request(services: Services, model: str, charge: str = "tokens") -> Callable[[int], None] | None:
     """Per-key limits, once per request (a route may reach the engine more than once). The lease goes
     back in the auth middleware when the response has drained (for a job's work: when `acting_for` ends).
     Returns where the engine's token counts are charged, or None on an open gateway."""
@@ -196,21 +199,22 @@ async def admit_request(services: Any, model: str, charge: str = "tokens") -> Ca
         return await _admit_principal(services, model, charge)
     if not request.scope.get("blazar.auth") or services.admission is None:
         return None
-    record = request.scope.get("blazar.key")
+    record = key_record(request.scope)
     if record is None:
         return None
+    admission = services.admission
     if "blazar.lease" not in request.scope:
         try:
-            request.scope["blazar.lease"] = await services.admission.admit(record.name, model, charge)
+            blazar_scope(request.scope)["blazar.lease"] = await admission.admit(record.name, model, charge)
         except ActorError as error:
             raise Refusal.from_err(error.err) from None
         except ActorUnavailable as error:
             raise Refusal(503, f"admission did not answer: {error}", hint="retry in a moment") from None
     name = record.name
-    return lambda tokens: services.admission.charge(name, tokens)
+    return lambda tokens: admission.charge(name, tokens)
 
 
-async def admit_work(services: Any, model: str | None = None) -> None:
+async def admit_work(services: Services, model: str | None = None) -> None:
     """A request that creates work for later (an upload, a batch, an async transcription, a background
     response) passes admission like a generation: the key's rpm and max_concurrent, and its model scope when
     it names a model. What the work later generates is admitted and charged item by item (`acting_for`)."""
@@ -231,23 +235,25 @@ def num_ctx_header(headers: Any) -> int | None:
 RETRIED_CODES = ("model_unloading", "model_unloaded", "instance_failed")
 
 
-def _refused(services: Any, model: str, err: Err) -> Refusal:
+def _refused(services: Services, model: str, err: Err) -> Refusal:
     if err.status in (503, 507) and services.obs is not None:
         services.obs.event("refused", model, status=err.status, code=err.code, message=err.message, fix=err.hint)
     return Refusal.from_err(err)
 
 
-async def ensure_model(services: Any, model: str, headers: Any, num_ctx: int | None = None,
+async def ensure_model(services: Services, model: str, headers: Any, num_ctx: int | None = None,
                        spawn_options: dict[str, Any] | None = None, *, fresh: bool = False,
-                       lane: Any = None) -> Handle:
+                       lane: LaneClient | None = None) -> Handle:
     """The model's instance (loading it if needed), or a Refusal. `fresh` asks the lane even when its last
     answer for this request shape is cached (for callers that do not retry)."""
     if num_ctx is None:
         num_ctx = num_ctx_header(headers)
     if spawn_options:
         _may_reshape_engines(spawn_options)
+    client = lane or services.lane
+    assert client is not None  # the composition root always starts the text lane
     try:
-        handle = await (lane or services.lane).ensure(model, num_ctx, spawn_options, fresh=fresh)
+        handle = await client.ensure(model, num_ctx, spawn_options, fresh=fresh)
     except ActorError as error:
         raise _refused(services, model, error.err) from None
     except ActorUnavailable as error:
@@ -263,7 +269,7 @@ def _may_reshape_engines(spawn_options: dict[str, Any]) -> None:
 
     if not has_request_context() or not request.scope.get("blazar.auth"):
         return
-    record = request.scope.get("blazar.key")
+    record = key_record(request.scope)
     if record is None or record.admin or record.source == "local" or record.spawn_options:
         return
     names = ", ".join(f"options.{name}" for name in sorted(spawn_options))
@@ -286,7 +292,7 @@ def with_default_system(handle: Handle, upstream: UpstreamCall) -> UpstreamCall:
     return msgspec.structs.replace(upstream, body=msgspec.json.encode(body))
 
 
-async def submit(services: Any, handle: Handle, upstream: UpstreamCall, headers: Any, *,
+async def submit(services: Services, handle: Handle, upstream: UpstreamCall, headers: Any, *,
                  keep_alive: float | None = None,
                  on_usage: Callable[[int], None] | None = None) -> UpstreamReply | UpstreamStream:
     """One request into an instance's queue, with the client's schedule; withdrawn if the client leaves."""
@@ -320,10 +326,10 @@ def reply_header(name: str, value: str) -> None:
     from quart import has_request_context, request
 
     if has_request_context():
-        request.scope.setdefault("blazar.reply_headers", {})[name] = value
+        blazar_scope(request.scope).setdefault("blazar.reply_headers", {})[name] = value
 
 
-def remote_of(services: Any, model: str) -> tuple[str, str] | None:
+def remote_of(services: Services, model: str) -> tuple[str, str] | None:
     """(peer, the model's name there) when `model` is `<peer>:<model>` for a configured [[remotes]] peer."""
     if services.remotes is None:
         return None
@@ -331,7 +337,7 @@ def remote_of(services: Any, model: str) -> tuple[str, str] | None:
     return (found[0].name, found[1]) if found is not None else None
 
 
-def require_local(services: Any, model: str, what: str) -> None:
+def require_local(services: Services, model: str, what: str) -> None:
     """Refuse a local-only operation on a remote model or a failover alias, saying what to do instead."""
     remote = remote_of(services, model)
     if remote is not None:
@@ -344,17 +350,17 @@ def require_local(services: Any, model: str, what: str) -> None:
                       f"targets", hint=f"GET /api/failover/{chain.name} lists them")
 
 
-def _fabric_target(services: Any, model: str, lane_kind: str) -> tuple[Any, tuple[str, str] | None]:
-    chain = services.failover.chain_for(model) if services.failover is not None else None
+def _fabric_target(services: Services, model: str, lane_kind: str) -> tuple[Any, tuple[str, str] | None]:
+    chain: Any = services.failover.chain_for(model) if services.failover is not None else None  # a [[failover]] entry
     remote = remote_of(services, model) if chain is None else None
     if (chain is not None or remote is not None) and lane_kind != "llamacpp":
-        what = f"failover alias of chain {chain.name}" if chain is not None else f"model on remote {remote[0]}"
+        what = f"model on remote {remote[0]}" if remote is not None else f"failover alias of chain {chain.name}"
         raise Refusal(400, f"{model} is a {what}; {lane_kind} requests are served by local models only",
                       hint="name a local model (GET /v1/models lists them)")
     return chain, remote
 
 
-async def forward(services: Any, model: str, upstream: UpstreamCall, headers: Any,
+async def forward(services: Services, model: str, upstream: UpstreamCall, headers: Any,
                   keep_alive: float | None = None, num_ctx: int | None = None,
                   spawn_options: dict[str, Any] | None = None, choices: int = 1,
                   lane_kind: str = "llamacpp") -> UpstreamReply | UpstreamStream:
@@ -378,7 +384,7 @@ async def forward(services: Any, model: str, upstream: UpstreamCall, headers: An
                                 num_ctx=num_ctx, spawn_options=spawn_options)
 
 
-async def _forward_local(services: Any, client: Any, model: str, upstream: UpstreamCall, headers: Any,
+async def _forward_local(services: Services, client: LaneClient, model: str, upstream: UpstreamCall, headers: Any,
                          on_usage: Callable[[int], None] | None, *, keep_alive: float | None = None,
                          num_ctx: int | None = None,
                          spawn_options: dict[str, Any] | None = None) -> UpstreamReply | UpstreamStream:
@@ -424,7 +430,7 @@ def _hops(headers: Any) -> int:
     return int(raw) if raw.isdigit() else 0
 
 
-async def _forward_remote(services: Any, peer: str, model: str, upstream: UpstreamCall, headers: Any,
+async def _forward_remote(services: Services, peer: str, model: str, upstream: UpstreamCall, headers: Any,
                           on_usage: Callable[[int], None] | None) -> UpstreamReply | UpstreamStream:
     """One request to a remote peer's model, relayed by the peer's actor; the answer is shaped as a local
     instance's, so the caller's dialect relays it the same way."""
@@ -434,6 +440,7 @@ async def _forward_remote(services: Any, peer: str, model: str, upstream: Upstre
                       "forwarding it in a loop", hint="check the [[remotes]] entries of the gateways on the way")
     passed = tuple((name, headers.get(name)) for name in PASSED_HEADERS if headers.get(name))
     reply_header("x-blazar-remote", peer)
+    assert services.remotes is not None  # a remote target names a configured [[remotes]] peer
     try:
         return await services.remotes.submit(peer, model, upstream, (*passed, (HOPS_HEADER, str(hops + 1))),
                                              on_usage, within=REQUEST_CALL_LIMIT_SECS)
@@ -448,10 +455,11 @@ def _target_failed(status: int) -> bool:
     return status >= 500 or status == 404
 
 
-async def _forward_chain(services: Any, chain: Any, upstream: UpstreamCall, headers: Any,
+async def _forward_chain(services: Services, chain: Any, upstream: UpstreamCall, headers: Any,
                          on_usage: Callable[[int], None] | None, **local: Any) -> UpstreamReply | UpstreamStream:
     """Serve an alias from its chain's first healthy target; a target that fails before its first byte is
     benched and the next one serves (a pinned target serves or fails alone)."""
+    assert services.failover is not None  # the chain came from it
     plan = await services.failover.plan(chain.name)
     reply_header("x-blazar-failover", chain.name)
     failures: list[str] = []
@@ -461,6 +469,7 @@ async def _forward_chain(services: Any, chain: Any, upstream: UpstreamCall, head
         reply_header("x-blazar-served-model", target)
         try:
             if kind == "remote":
+                assert peer is not None  # a remote target names its peer
                 result = await _forward_remote(services, peer, model, upstream, headers, on_usage)
             else:
                 result = await _forward_local(services, services.lane_clients()["llamacpp"], model, upstream,
@@ -486,17 +495,18 @@ async def _forward_chain(services: Any, chain: Any, upstream: UpstreamCall, head
                   code="failover_exhausted", hint=f"GET /api/failover/{chain.name} shows each target's state")
 
 
-async def count_input_tokens(services: Any, model: str, chat: dict[str, Any], headers: Any) -> int:
+async def count_input_tokens(services: Services, model: str, chat: dict[str, Any], headers: Any) -> int:
     """What a chat prompt really costs, counted the model's lane's way on its own child."""
     _tag_model(model)
     on_usage = await admit_request(services, model)
     remote = remote_of(services, model)
     if remote is not None:  # counted on the peer's own child (a Blazar peer serves the native routes)
         async def ask_peer(method: str, path: str, body: bytes) -> tuple[int, bytes]:
-            reply = await _forward_remote(services, remote[0], remote[1], UpstreamCall(method=method, path=path,
-                                                                                      body=body), headers, on_usage)
+            reply = buffered(await _forward_remote(services, remote[0], remote[1], UpstreamCall(
+                method=method, path=path, body=body), headers, on_usage))
             return reply.status, reply.body
 
+        assert services.lane is not None  # the composition root always starts the text lane
         try:
             return await services.lane.lane.count_prompt_tokens(ask_peer, chat)
         except PlanRefused as error:
@@ -505,14 +515,20 @@ async def count_input_tokens(services: Any, model: str, chat: dict[str, Any], he
     handle = await ensure_model(services, model, headers, fresh=True)
 
     async def ask(method: str, path: str, body: bytes) -> tuple[int, bytes]:
-        reply = await submit(services, handle, UpstreamCall(method=method, path=path, body=body), headers,
-                             on_usage=on_usage)
+        reply = buffered(await submit(services, handle, UpstreamCall(method=method, path=path, body=body), headers,
+                                      on_usage=on_usage))
         return reply.status, reply.body
 
     try:
         return await handle.lane.count_prompt_tokens(ask, chat)
     except PlanRefused as error:
         raise Refusal(error.status, error.message, hint=error.fix) from None
+
+
+def buffered(result: UpstreamReply | UpstreamStream) -> UpstreamReply:
+    """The answer to an UpstreamCall made without `stream`: always a buffered reply."""
+    assert isinstance(result, UpstreamReply), "a call without stream was answered with a stream"
+    return result
 
 
 def engine_failure(reply: UpstreamReply) -> Refusal:
@@ -535,7 +551,7 @@ def json_reply(reply: UpstreamReply, transform: Callable[[Any], Any] | None = No
                     headers=headers)
 
 
-async def tracked(services: Any, control: Any, work: Callable[[], Any]) -> Any:
+async def tracked(services: Services, control: Any, work: Callable[[], Any]) -> Any:
     """Run `work()` so that a cancel or interrupt from another connection stops it."""
     with trio.CancelScope() as scope:
         if control.stop.is_set():

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from quart import Response, has_websocket_context, request, websocket
 
+from .current import blazar_scope, key_record
 from .edge import Refusal
 
 View = TypeVar("View", bound=Callable[..., Any])
@@ -51,14 +52,14 @@ def declared_role(view: Any) -> Role | None:
 
 def caller_is_admin(scope: Any) -> bool:
     """An unscoped key, the CLI's local token, or anyone on a gateway with no keys."""
-    record = scope.get("blazar.key")
+    record = key_record(scope)
     if record is not None and (record.admin or record.source == "local"):
         return True
     return not scope.get("blazar.auth")
 
 
 def admin_refusal(what: str, scope: Any = None) -> Refusal:
-    record = (scope if scope is not None else request.scope).get("blazar.key")
+    record = key_record(scope if scope is not None else request.scope)
     models = ", ".join(record.models) if record is not None else ""
     name = record.name if record is not None else ""
     return Refusal(403, f"{what} changes what every API key sees, so it needs an admin key; the key {name!r} is "
@@ -77,7 +78,7 @@ def require_admin(what: str) -> None:
 def require_scope(model: str) -> None:
     """Refuse a scoped key a model outside its `models` list (for routes that show a model without serving
     it; serving routes get the same refusal from admission)."""
-    record = request.scope.get("blazar.key")
+    record = key_record(request.scope)
     if not request.scope.get("blazar.auth") or record is None or record.allows(model):
         return
     allowed = ", ".join(record.models)
@@ -95,7 +96,7 @@ def install(app: Any) -> None:
         rule = connection.url_rule
         if rule is None:
             return None  # unmatched: the 404 handler answers, and the metrics label it `unmatched`
-        connection.scope["blazar.route"] = rule.rule
+        blazar_scope(connection.scope)["blazar.route"] = rule.rule
         declared = declared_role(app.view_functions.get(connection.endpoint))
         if declared in (Role.OPEN, Role.KEY) or caller_is_admin(connection.scope):
             return None

@@ -23,7 +23,11 @@ import msgspec
 import trio
 from quart import Response, request
 
+from supervisors.requests import RequestsClient
+from supervisors.services import Services
+
 from .chat_core import ChatResult, StreamBroken, run_chat
+from .current import blazar_scope
 from .edge import Refusal, admit_request, follow_or_lead, owner, sse_response, tracked
 
 PROGRESS_EVERY = 8  # text pieces between card updates: the card stays live without a message per token
@@ -47,7 +51,7 @@ def flight_key(body: dict[str, Any], *parts: Any) -> str | None:
 class RequestSession:
     """One generation request, seen from its route."""
 
-    def __init__(self, services: Any, control: Any, *, stream: bool, flight: str | None,
+    def __init__(self, services: Services, control: Any, *, stream: bool, flight: str | None,
                  charge: Callable[[int], None] | None) -> None:
         self.services = services
         self.control = control
@@ -59,12 +63,19 @@ class RequestSession:
         self._tokens = 0
 
     @classmethod
-    async def open(cls, services: Any, model: str, *, stream: bool, flight: str | None = None) -> RequestSession:
+    async def open(cls, services: Services, model: str, *, stream: bool, flight: str | None = None) -> RequestSession:
         # Admitted before singleflight: a follower served from another request's answer still counts.
         charge = await admit_request(services, model)
-        control = await services.requests.open(trace_id=request.scope.get("blazar.trace_id", ""), model=model,
+        assert services.requests is not None  # the composition root starts the request registry
+        trace_id = blazar_scope(request.scope).get("blazar.trace_id", "")
+        control = await services.requests.open(trace_id=trace_id, model=model,
                                                route=request.path, stream=stream, flight_key=flight, key=owner())
         return cls(services, control, stream=stream, flight=flight, charge=charge)
+
+    @property
+    def _requests(self) -> RequestsClient:
+        assert self.services.requests is not None  # open() asked it for this session's card
+        return self.services.requests
 
     @property
     def id(self) -> str:
@@ -81,13 +92,13 @@ class RequestSession:
         try:
             result = await tracked(self.services, self.control, ask)
         except BaseException as error:
-            await self.services.requests.close(self.id, "cancelled" if getattr(error, "status", 0) == 499
+            await self._requests.close(self.id, "cancelled" if getattr(error, "status", 0) == 499
                                                else "failed", compute_ms=self._compute_ms())
             raise
         if result.payload is not None:
             await self.finish("done", partial=text_of(result.payload))
             return result
-        self.services.requests.update(self.id, state="running", queue_ms=round(result.queued_secs * 1000, 1))
+        self._requests.update(self.id, state="running", queue_ms=round(result.queued_secs * 1000, 1))
         if result.chunks is not None:
             return ChatResult(chunks=self._carried(result.chunks), headers=result.headers,
                               queued_secs=result.queued_secs)
@@ -114,7 +125,7 @@ class RequestSession:
             state = "disconnected"
             raise
         finally:
-            await self.services.requests.close(self.id, state, flight_key=self.flight if led else None,
+            await self._requests.close(self.id, state, flight_key=self.flight if led else None,
                                                result=outcome, compute_ms=self._compute_ms(), **closing)
 
     def saw(self, piece: str) -> None:
@@ -122,13 +133,13 @@ class RequestSession:
         self._pending.append(piece)
         self._tokens += 1
         if len(self._pending) >= PROGRESS_EVERY:
-            self.services.requests.update(self.id, partial="".join(self._pending))
+            self._requests.update(self.id, partial="".join(self._pending))
             self._pending.clear()
 
     async def finish(self, state: str, *, partial: str = "") -> None:
         """Close the card (shielded: it runs in a stream's cleanup too)."""
         with trio.CancelScope(shield=True):
-            await self.services.requests.close(self.id, state, partial="".join(self._pending) + partial,
+            await self._requests.close(self.id, state, partial="".join(self._pending) + partial,
                                                tokens=self._tokens or None, compute_ms=self._compute_ms())
         self._pending.clear()
 
@@ -166,11 +177,12 @@ class RequestSession:
             headers: dict[str, str] | None = None, interrupt_frame: Callable[[], bytes] | None = None,
             cancel_frame: Callable[[str], bytes] | None = None) -> Response:
         """Relay a raw engine byte stream; `rewrite` reports text through `saw`. The card closes when it ends."""
+        assert result.stream is not None  # a result asked for with raw_stream
         return sse_response(result.stream, rewrite, error_frame, headers, control=self.control,
                             interrupt_frame=interrupt_frame, cancel_frame=cancel_frame, finish=self.finish)
 
 
-async def chat_session(services: Any, body: dict[str, Any], headers: Any, *, keep_alive: float | None = None,
+async def chat_session(services: Services, body: dict[str, Any], headers: Any, *, keep_alive: float | None = None,
                        num_ctx: int | None = None, spawn_options: dict[str, Any] | None = None) -> ChatResult:
     """The canonical chat call (`run_chat`) inside a request session: what Ollama and Anthropic routes use.
     Raises Refusal like run_chat (499 when cancelled from another connection)."""

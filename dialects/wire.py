@@ -90,7 +90,7 @@ class ThinkFilter:
     def feed(self, text: str) -> str:
         data = self.pending + text
         self.pending = ""
-        out = []
+        out: list[str] = []
         while data:
             if self.inside:
                 end = data.find(self.CLOSE)
