@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 from collections import deque
@@ -71,6 +72,35 @@ def header(response: httpcore.Response, name: bytes) -> str:
     return ""
 
 
+# Lines of an engine's output that say why it stopped, whatever the engine: they go first in a crash report,
+# ahead of the last lines (which are often routine warnings printed after the real cause).
+_CAUSE = re.compile(r"error|fail|fatal|abort|assert|exception|terminate|out of memory|cannot|unable|killed|"
+                    r"segmentation|illegal|panic|not found|invalid", re.IGNORECASE)
+
+
+def exit_cause(returncode: int) -> str:
+    """`exited with code 1`, or for a signal `was killed by SIGKILL (signal 9)`."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name} (signal {-returncode})"
+    return f"exited with code {returncode}"
+
+
+def crash_lines(output: str, limit: int = 15) -> str:
+    """The engine's own words about a crash: the lines that name a cause first (the last few of them), then
+    the last lines it printed, without repeats, at most `limit` in all."""
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    causes = [line for line in lines if _CAUSE.search(line)][-max(1, limit // 2):]
+    room = limit - len(causes)
+    tail = [line for line in lines if line not in causes][-room:] if room > 0 else []
+    if not causes:
+        return "\n".join(tail)
+    return "\n".join(causes) + ("\n(last lines)\n" + "\n".join(tail) if tail else "")
+
+
 class ChildFailed(Exception):
     """The child exited or stayed unhealthy while loading; the message carries its last lines."""
 
@@ -110,6 +140,10 @@ class EngineProcess:
         text = b"".join(self.output).decode(errors="replace")
         return "\n".join(text.strip().splitlines()[-lines:])
 
+    def crash_report(self, lines: int = 15) -> str:
+        """The output lines that explain an exit, cause first (see `crash_lines`)."""
+        return crash_lines(b"".join(self.output).decode(errors="replace"), lines)
+
     async def wait_ready(self, http: EngineHTTP, url: str, within: float) -> None:
         """Return once `url` answers 200; raise ChildFailed on exit or past the deadline."""
         assert self.process is not None
@@ -118,8 +152,8 @@ class EngineProcess:
             if self.process.returncode is not None:
                 with trio.move_on_after(0.5):
                     await self.output_closed.wait()  # the engine's last words explain the exit
-                raise ChildFailed(f"{self.name}'s engine exited with code {self.process.returncode} while "
-                                  f"loading:\n{self.output_tail()}")
+                raise ChildFailed(f"{self.name}'s engine {exit_cause(self.process.returncode)} while "
+                                  f"loading:\n{self.crash_report()}")
             with contextlib.suppress(*TRANSPORT_ERRORS):
                 if (await http.request("GET", url, read_secs=2)).status == 200:
                     return

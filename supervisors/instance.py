@@ -46,7 +46,15 @@ import msgspec
 import trio
 
 from lanes.base import Lane
-from lanes.child import TRANSPORT_ERRORS, ChildFailed, EngineHTTP, EngineProcess, free_port, header
+from lanes.child import (
+    TRANSPORT_ERRORS,
+    ChildFailed,
+    EngineHTTP,
+    EngineProcess,
+    exit_cause,
+    free_port,
+    header,
+)
 
 from .actor import Envelope, Err, Ok, answer, tell
 
@@ -439,9 +447,9 @@ class Instance:
     def _on_exited(self, message: _Exited) -> None:
         if self.state in (State.STOPPING, State.STOPPED, State.FAILED):
             return
-        tail = self.child.output_tail() if self.child else ""
+        tail = self.child.crash_report() if self.child else ""
         when = " while loading" if self.state is State.STARTING else ""
-        self.failure = f"{self.key}'s engine exited with code {message.returncode}{when}" + (
+        self.failure = f"{self.key}'s engine {exit_cause(message.returncode)}{when}" + (
             f":\n{tail}" if tail else "")
         log.warning("%s", self.failure)
         self.crashed = True
@@ -722,6 +730,6 @@ class Instance:
 
     def _broken(self, error: Exception) -> str:
         code = self.child.returncode if self.child else None
-        what = f"exited with code {code}" if code is not None else f"broke the connection ({type(error).__name__})"
-        tail = self.output_tail(8)
+        what = exit_cause(code) if code is not None else f"broke the connection ({type(error).__name__})"
+        tail = self.child.crash_report(8) if self.child else ""
         return f"{self.key}'s engine {what} during the request" + (f":\n{tail}" if tail else "")

@@ -213,3 +213,15 @@ async def test_rerank_answers_on_all_four_spellings(nursery, fake_home):
                 assert [r["index"] for r in response.json()["results"]] == [0, 1, 2]
             missing = await client.post("/v1/rerank", json={"query": "sea", "documents": []})
             assert missing.status_code == 400 and "`model` is required" in missing.json()["error"]["message"]
+
+
+def test_a_crash_report_names_its_cause_first_then_the_last_lines():
+    from lanes.child import crash_lines, exit_cause
+
+    assert exit_cause(-9) == "was killed by SIGKILL (signal 9)" and exit_cause(3) == "exited with code 3"
+    output = "\n".join(["loading model", "error: unable to allocate 4096 MiB for the KV cache",
+                        *[f"warning: routine line {n}" for n in range(30)]])
+    report = crash_lines(output, limit=6).splitlines()
+    assert report[0] == "error: unable to allocate 4096 MiB for the KV cache"  # the cause, not the last warnings
+    assert report[1] == "(last lines)" and report[-1] == "warning: routine line 29" and len(report) == 7
+    assert crash_lines("just\nsome\nlines", limit=2) == "some\nlines"  # no cause named: the last lines
