@@ -496,8 +496,8 @@ async def _forward_chain(services: Services, chain: Any, upstream: UpstreamCall,
 
 
 async def count_input_tokens(services: Services, model: str, chat: dict[str, Any], headers: Any) -> int:
-    """What a chat prompt really costs, counted the model's lane's way on its own child."""
-    _tag_model(model)
+    """What a chat prompt really costs, counted the model's lane's way on its own child. (The metrics' model label
+    is set by ensure_model once the model resolved, never from the client's spelling.)"""
     on_usage = await admit_request(services, model)
     remote = remote_of(services, model)
     if remote is not None:  # counted on the peer's own child (a Blazar peer serves the native routes)
