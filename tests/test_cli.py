@@ -3,6 +3,7 @@ purity of every `--json` output (JSONL on stdout, nothing else)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -84,13 +85,20 @@ def test_store_and_roster_commands_print_pure_jsonl(home: Paths, tmp_path, share
         ("engine", "list"), ("engine", "use", "second"), ("engine", "rollback"), ("engine", "prune", "--keep", "1"),
         ("engine", "rm", "second"), ("engine", "update", "--check"),
     ]
+    printed: dict[tuple[str, ...], list[dict]] = {}
     for step in steps:
         result = run_cli(*step, "--json")
         assert result.returncode == 0, (step, result.stderr)
         lines = result.stdout.splitlines()
         assert lines, step
-        for line in lines:
-            json.loads(line)
+        printed[step] = [json.loads(line) for line in lines]
+    # What the store commands did, not only that they printed JSON: `list` lists the import and the copy, and
+    # `mmproj` attached the projector (its digest), which makes the model a vision model.
+    assert sorted(row["name"] for row in printed[("list",)]) == ["alias:1", "tiny:q8_0"]
+    [attached] = printed[("mmproj", "alias", str(projector))]
+    assert attached["name"] == "alias:1" and attached["mmproj"] == hashlib.sha256(projector.read_bytes()).hexdigest()
+    shown = json.loads(run_cli("show", "tiny:q8_0", "--json").stdout)
+    assert "mmproj" not in shown or shown["mmproj"] is None  # the projector went to alias:1 only
 
 
 @pytest.mark.parametrize("path", sorted(JSON_ARGS))
