@@ -20,6 +20,7 @@ import msgspec
 import trio
 
 from supervisors.jobs import JobContext
+from supervisors.services import Services
 
 from .edge import Refusal, acting_for
 from .wire import RequestError
@@ -42,7 +43,7 @@ class ItemFailed(Exception):
 ItemWork = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
-async def run_items(services: Any, ctx: JobContext, items: list[dict[str, Any]], work: ItemWork) -> dict[str, Any]:
+async def run_items(services: Services, ctx: JobContext, items: list[dict[str, Any]], work: ItemWork) -> dict[str, Any]:
     """Run every item not done yet; returns the request counts. `work(item)` answers the item's body or raises
     ItemFailed / RequestError / Refusal."""
     done = {row["idx"]: row["outcome"] for row in await services.ledger.query(
@@ -63,7 +64,7 @@ async def run_items(services: Any, ctx: JobContext, items: list[dict[str, Any]],
     return counts
 
 
-async def _one(services: Any, ctx: JobContext, item: dict[str, Any], work: ItemWork) -> tuple[str, dict[str, Any]]:
+async def _one(services: Services, ctx: JobContext, item: dict[str, Any], work: ItemWork) -> tuple[str, dict[str, Any]]:
     while True:
         try:
             async with acting_for(services, ctx.key):
@@ -80,7 +81,7 @@ async def _one(services: Any, ctx: JobContext, item: dict[str, Any], work: ItemW
             return "errored", {"status": failure.status, "code": failure.code, "message": failure.message}
 
 
-async def item_rows(services: Any, job_id: str) -> list[dict[str, Any]]:
+async def item_rows(services: Services, job_id: str) -> list[dict[str, Any]]:
     rows = await services.ledger.query(
         "SELECT idx, custom_id, outcome, body FROM batch_items WHERE job_id = ? ORDER BY idx", (job_id,))
     return [{**row, "body": json.loads(row["body"])} for row in rows]

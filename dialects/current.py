@@ -7,13 +7,15 @@ are casts: nothing is checked or copied at runtime.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from quart import current_app
 from quart_trio import QuartTrio
 
 from blazar.keys import KeyRecord
 from supervisors.services import Services
+
+T = TypeVar("T")
 
 
 class BlazarApp(QuartTrio):
@@ -28,6 +30,13 @@ def current_blazar() -> BlazarApp:
 def current_services() -> Services:
     """What the current request's routes may reach."""
     return cast(BlazarApp, current_app).services
+
+
+def required(client: T | None) -> T:
+    """A client of an actor the composition root always starts (jobs, requests, responses, admission, the text
+    lane, observability): Optional in Services only because a test may build its app with fewer."""
+    assert client is not None, "this gateway was built without the actor this route needs"
+    return client
 
 
 def blazar_scope(scope: Any) -> dict[str, Any]:

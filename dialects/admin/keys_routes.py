@@ -9,7 +9,7 @@ import msgspec
 from quart import Blueprint, Response, request
 
 from blazar.keys import KeyChangeError, check_new_key
-from dialects.current import current_services
+from dialects.current import current_services, key_record, required
 from dialects.edge import Refusal
 from dialects.roles import Role, role
 from supervisors.actor import ActorError, ActorUnavailable
@@ -25,7 +25,7 @@ def _json(payload: Any, status: int = 200) -> Response:
 def _manager_refusal() -> Refusal | None:
     """Only unscoped keys manage; an open gateway refuses management, except from the CLI on this
     machine (its token proves it can read $BLAZAR_HOME, which already holds config.toml)."""
-    record = request.scope.get("blazar.key")
+    record = key_record(request.scope)
     if not request.scope.get("blazar.auth"):
         if record is not None and record.source == "local":
             return None
@@ -69,11 +69,12 @@ async def _ask(work: Any) -> Response:
 async def list_keys():
     async def work() -> Response:
         services = current_services()
-        await services.admission.flush()
-        live = await services.admission.usage()
+        admission = required(services.admission)
+        await admission.flush()
+        live = await admission.usage()
         rows = await services.ledger.query(
             "SELECT key_name, day, requests, tokens FROM key_usage ORDER BY day DESC LIMIT ?", (USAGE_DAYS * 64,))
-        table = services.admission.gate.table
+        table = admission.gate.table
         keys = []
         for record in table.records.values():
             days = [{"day": r["day"], "requests": r["requests"], "tokens": r["tokens"]}

@@ -13,10 +13,11 @@ import trio
 from quart import Blueprint, Response, request
 
 from blazar.sysinfo import meminfo
-from dialects.current import current_services
+from dialects.current import current_services, required
 from dialects.edge import Refusal, num_ctx_header, residents
 from dialects.roles import Role, caller_is_admin, require_scope, role
 from supervisors.actor import ActorError
+from supervisors.services import Services
 
 blueprint = Blueprint("admin", __name__)
 
@@ -72,7 +73,7 @@ async def quantiles():
 
 
 def _event_stream(kinds: set[str] | None, greeting: bytes) -> Response:
-    obs = current_services().obs
+    obs = required(current_services().obs)
     receive = obs.subscribe()
 
     async def stream() -> AsyncIterator[bytes]:
@@ -114,7 +115,7 @@ async def explain(model: str):
         raw = request.args.get("num_ctx")
         num_ctx = int(raw) if raw and raw.isdigit() else num_ctx_header(request.headers)
         require_scope(model)
-        card = await current_services().lane.explain(model, num_ctx)
+        card = await required(current_services().lane).explain(model, num_ctx)
     except Refusal as error:
         return Response(msgspec.json.encode({"error": error.message}), status=error.status,
                         content_type="application/json")
@@ -156,13 +157,13 @@ def _cpu() -> dict[str, Any]:
             "ram_available_bytes": memory.get("MemAvailable")}
 
 
-async def remote_lines(services: Any) -> list[dict[str, Any]]:
+async def remote_lines(services: Services) -> list[dict[str, Any]]:
     """Each peer from its actor's cache (never a live call): reach, breaker, and for a Blazar peer its
     capacity summary with the snapshot's age."""
     return await services.remotes.describe_all() if services.remotes is not None else []
 
 
-async def rpc_worker_lines(services: Any) -> list[dict[str, Any]]:
+async def rpc_worker_lines(services: Services) -> list[dict[str, Any]]:
     """Every llama.cpp RPC worker in config ([[rpc_workers]] and models' rpc lists), probed now (TCP, 2 s)."""
     from blazar.fabric_config import rpc_workers_in_use
     from lanes.rpc import probe_rpc_workers

@@ -15,11 +15,12 @@ from quart import Blueprint, Response, request
 
 from dialects.batches import LOW_PRIORITY, RETENTION_SECS, ItemFailed, counts_of, expired, item_rows, run_items
 from dialects.chat_core import run_chat
-from dialects.current import current_services
+from dialects.current import current_services, required
 from dialects.edge import Refusal, admit_work, json_response, limit_arg, owner, refuse, viewer
 from dialects.roles import Role, role
 from dialects.wire import RequestError, decode_object
 from supervisors.jobs import TERMINAL, JobContext
+from supervisors.services import Services
 
 from . import translate as t
 
@@ -32,7 +33,7 @@ def _iso(ts: float | None) -> str | None:
     return None if ts is None else datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
 
 
-async def _message_item(services: Any, item: dict[str, Any]) -> dict[str, Any]:
+async def _message_item(services: Services, item: dict[str, Any]) -> dict[str, Any]:
     params = item.get("params")
     if not isinstance(params, dict):
         raise ItemFailed(400, "invalid_request_error", "`params` must be a Messages API request object")
@@ -43,7 +44,7 @@ async def _message_item(services: Any, item: dict[str, Any]) -> dict[str, Any]:
     return t.from_openai(result.payload or {}, canonical["model"], params.get("stop_sequences"))
 
 
-async def run_message_batch(services: Any, ctx: JobContext) -> dict[str, Any]:
+async def run_message_batch(services: Services, ctx: JobContext) -> dict[str, Any]:
     counts = await run_items(services, ctx, ctx.request["requests"], lambda item: _message_item(services, item))
     return {"counts": counts}
 
@@ -71,7 +72,7 @@ def _missing(batch_id: str) -> Response:
 
 
 async def _row(batch_id: str) -> dict[str, Any] | None:
-    row = await current_services().jobs.get(batch_id, viewer())
+    row = await required(current_services().jobs).get(batch_id, viewer())
     return row if row is not None and row["kind"] == "message_batch" and not row.get("archived") else None
 
 
@@ -129,8 +130,10 @@ async def cancel_batch(batch_id: str):
     row = await _row(batch_id)
     if row is None:
         return _missing(batch_id)
-    state = await services.jobs.cancel(batch_id, viewer())
-    view = batch_object(await services.jobs.get(batch_id))
+    state = await required(services.jobs).cancel(batch_id, viewer())
+    row = await required(services.jobs).get(batch_id)
+    assert row is not None  # found above; job rows are archived, never deleted
+    view = batch_object(row)
     if state == "cancelling":
         view["processing_status"] = "canceling"
         view["cancel_initiated_at"] = _iso(time.time())
@@ -182,5 +185,5 @@ async def delete_batch(batch_id: str):
                          f"cancel it first: POST /v1/messages/batches/{batch_id}/cancel")
     except Refusal as error:
         return refuse(error)
-    await current_services().jobs.archive(batch_id)
+    await required(current_services().jobs).archive(batch_id)
     return json_response({"id": batch_id, "type": "message_batch_deleted"})

@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 from quart import Blueprint, Response, request
 
-from dialects.current import current_services
+from dialects.current import current_services, required
 from dialects.edge import Refusal, forward, json_reply, sse_response, unload_anywhere
 from dialects.openai.routes import openai_error_frame
 from dialects.roles import Role, role
@@ -26,7 +26,7 @@ async def target_model(*, resident_only: bool = False) -> str:
     chosen = request.headers.get("x-blazar-model") or request.args.get("model")
     if chosen and not resident_only:
         return chosen
-    live = [row for row in await current_services().lane.ps() if row.get("state") in ("ready", "busy")]
+    live = [row for row in await required(current_services().lane).ps() if row.get("state") in ("ready", "busy")]
     if chosen:
         if any(row["model"] == chosen for row in live):
             return chosen
@@ -47,7 +47,7 @@ async def target_model(*, resident_only: bool = False) -> str:
 async def _native(path: str, method: str = "POST", *, stream_ok: bool = False):
     try:
         model = await target_model(resident_only=method == "GET")
-        raw = await request.get_data() if method == "POST" else b""
+        raw = await request.get_data(cache=True, as_text=False, parse_form_data=False) if method == "POST" else b""
         stream = False
         if stream_ok and raw:
             try:

@@ -31,6 +31,7 @@ from dialects.roles import Role, role
 from dialects.wire import RequestError, require_model
 from supervisors.actor import ActorError, ActorUnavailable
 from supervisors.instance import UpstreamCall
+from supervisors.services import Services
 
 blueprint = Blueprint("fabric", __name__)
 
@@ -119,7 +120,7 @@ async def replicate():
     return json_response({"model": model, "timeout_secs": timeout, "results": [results[name] for name in peers]})
 
 
-def _peers_arg(services: Any, raw: Any) -> list[str]:
+def _peers_arg(services: Services, raw: Any) -> list[str]:
     configured = list(services.remotes.entries) if services.remotes is not None else []
     if not configured:
         raise Refusal(400, "no [[remotes]] are configured on this gateway",
@@ -148,6 +149,7 @@ async def route(model: str):
     card: dict[str, Any] = {"model": model, "peers": [_peer_line(p, None) for p in peers]}
     chain = services.failover.chain_for(model) if services.failover is not None else None
     if chain is not None:
+        assert services.failover is not None  # the chain came from it
         state = await services.failover.show(chain.name)
         plan = await services.failover.plan(chain.name)
         first = plan["order"][0]
@@ -182,7 +184,7 @@ def _peer_line(peer: dict[str, Any], model: str | None) -> dict[str, Any]:
             "in_flight": peer.get("in_flight"), "last_error": peer.get("last_error")}
 
 
-def _decision(services: Any, kind: str, peer: str | None, name: str, rows: list[dict[str, Any]],
+def _decision(services: Services, kind: str, peer: str | None, name: str, rows: list[dict[str, Any]],
               peers: list[dict[str, Any]]) -> dict[str, Any]:
     if kind == "local":
         row = next((r for r in rows if r["model"] == name), None)
@@ -212,7 +214,7 @@ def _local_line(row: dict[str, Any] | None) -> dict[str, Any]:
             "queued": row.get("queued"), "wait_estimate_secs": 0.0 if free > 0 and not row.get("queued") else None}
 
 
-async def _local_decision(services: Any, model: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+async def _local_decision(services: Services, model: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     from blazar.store import Store, StoreError
 
     row = next((r for r in rows if r["model"] == model), None)
@@ -232,7 +234,7 @@ async def _local_decision(services: Any, model: str, rows: list[dict[str, Any]])
 # ---------------------------------------------------------------- failover admin plane
 
 
-def _no_chains(services: Any) -> None:
+def _no_chains(services: Services) -> None:
     if services.failover is None:
         raise Refusal(404, "no [[failover]] chains are configured on this gateway",
                       hint="add a [[failover]] entry to config.toml (docs/remotes.md) and restart")

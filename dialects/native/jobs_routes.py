@@ -10,7 +10,7 @@ from pathlib import Path
 import trio
 from quart import Blueprint, Response, request
 
-from dialects.current import current_services
+from dialects.current import current_services, required
 from dialects.edge import Refusal, json_response, limit_arg, refuse, viewer
 from dialects.roles import Role, role
 from supervisors.jobs import TERMINAL, job_view
@@ -42,7 +42,7 @@ async def list_jobs():
 @blueprint.get("/v1/jobs/<job_id>")
 @role(Role.KEY)
 async def get_job(job_id: str):
-    row = await current_services().jobs.get(job_id, viewer())
+    row = await required(current_services().jobs).get(job_id, viewer())
     return _missing(job_id) if row is None else json_response(job_view(row))
 
 
@@ -50,7 +50,7 @@ async def get_job(job_id: str):
 @role(Role.KEY)
 async def cancel_job(job_id: str):
     """Idempotent: a finished job is answered as it is; a live one is cancelled (its task stops)."""
-    jobs = current_services().jobs
+    jobs = required(current_services().jobs)
     await jobs.cancel(job_id, viewer())  # refusals (404) render through the app's ActorError handler
     row = await jobs.get(job_id, viewer())
     if row is None:
@@ -64,7 +64,7 @@ async def cancel_job(job_id: str):
 @blueprint.get("/v1/jobs/<job_id>/events")
 @role(Role.KEY)
 async def job_events(job_id: str):
-    jobs = current_services().jobs
+    jobs = required(current_services().jobs)
     if await jobs.get(job_id, viewer()) is None:
         return _missing(job_id)
     return json_response({"object": "list", "data": await jobs.events(job_id)})
@@ -73,7 +73,7 @@ async def job_events(job_id: str):
 @blueprint.get("/v1/jobs/<job_id>/artifact")
 @role(Role.KEY)
 async def job_artifact(job_id: str):
-    row = await current_services().jobs.get(job_id, viewer())
+    row = await required(current_services().jobs).get(job_id, viewer())
     if row is None:
         return _missing(job_id)
     if not row.get("artifact"):

@@ -19,6 +19,7 @@ from dialects.current import current_services
 from dialects.edge import (
     Refusal,
     admit_request,
+    buffered,
     ensure_model,
     forward,
     json_body,
@@ -36,6 +37,7 @@ from dialects.wire import RequestError
 from supervisors.actor import ActorError
 from supervisors.instance import UpstreamCall
 from supervisors.jobs import JobContext, JobFailed
+from supervisors.services import Services
 
 from . import translate as t
 
@@ -228,7 +230,7 @@ async def ps():
     return _json(listing)
 
 
-async def run_pull(services: Any, ctx: JobContext) -> dict[str, Any]:
+async def run_pull(services: Services, ctx: JobContext) -> dict[str, Any]:
     """A pull asked over HTTP, as a job: it goes on when the client hangs up, and shows in /v1/jobs."""
     events = await services.registry.pull_model(ctx.request["target"])
     last: dict[str, Any] = {}
@@ -318,10 +320,11 @@ async def _chat_like(kind: str):
     model = canonical["model"]
     if result.payload is not None:
         return _json(_render(kind, model, result.payload, started, final=True), 200, {**result.headers, **unused})
+    assert result.chunks is not None  # not buffered: a stream of chunk dicts
     return _ndjson(kind, model, result.chunks, started, {**result.headers, **unused})
 
 
-async def _raw_completion(services: Any, canonical: dict[str, Any], prompt: str, keep_alive: float | None,
+async def _raw_completion(services: Services, canonical: dict[str, Any], prompt: str, keep_alive: float | None,
                           num_ctx: int | None, spawn: dict[str, Any] | None) -> ChatResult:
     """`raw: true`: the prompt goes to the engine verbatim, no chat template."""
     skip = {"messages", "tools", "think", "chat_template_kwargs", "reasoning_effort"}
@@ -459,9 +462,9 @@ async def _embed(legacy: bool):
             field = "prompt" if legacy else "input"
             raise RequestError(f"`{field}` must be a string" + ("" if legacy else " or an array of strings"))
         options, unused = _read_request("embeddings" if legacy else "embed", body)
-        reply = await forward(services, model, UpstreamCall(path="/v1/embeddings", body=msgspec.json.encode(
+        reply = buffered(await forward(services, model, UpstreamCall(path="/v1/embeddings", body=msgspec.json.encode(
             {"model": model, "input": inputs})), request.headers, keep_alive=_keep_alive(body),
-            num_ctx=options.num_ctx, spawn_options=options.spawn)
+            num_ctx=options.num_ctx, spawn_options=options.spawn))
     except (RequestError, Refusal) as error:
         return refuse(error)
     if reply.status >= 400:

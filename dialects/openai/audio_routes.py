@@ -20,11 +20,12 @@ from quart import Blueprint, Response, request
 
 from blazar import audio_models, childproc
 from blazar.pcm import pcm_to_wav
-from dialects.current import current_blazar, current_services
+from dialects.current import current_blazar, current_services, required
 from dialects.edge import (
     Refusal,
     acting_for,
     admit_work,
+    buffered,
     engine_failure,
     forward,
     json_response,
@@ -38,6 +39,7 @@ from dialects.roles import Role, role
 from dialects.wire import RequestError, decode_object
 from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply
 from supervisors.jobs import JobContext, JobFailed
+from supervisors.services import Services
 
 from . import audio_translate as t
 
@@ -56,14 +58,14 @@ FFMPEG_FORMAT = {"mp3": ["-f", "mp3"], "opus": ["-c:a", "libopus", "-f", "ogg"],
 # ------------------------------------------------------------------ speech to text
 
 
-def whisper_model(services: Any, asked: str) -> str:
+def whisper_model(services: Services, asked: str) -> str:
     """The whisper model a request names; `whisper-1` (the OpenAI SDK's name) and none mean the pinned one."""
     if asked in ("", "whisper-1"):
         return services.config.whisper_model or audio_models.DEFAULT_WHISPER
     return audio_models.whisper_name(asked)
 
 
-async def _transcribe_once(services: Any, model: str, audio: bytes, options: dict[str, Any],
+async def _transcribe_once(services: Services, model: str, audio: bytes, options: dict[str, Any],
                            headers: Any) -> dict[str, Any]:
     path = "/transcribe?options=" + urllib.parse.quote(json.dumps(options))
     reply = await forward(services, f"whisper:{model}", UpstreamCall(
@@ -177,7 +179,7 @@ def _sse(event: str, payload: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: ".encode() + msgspec.json.encode(payload) + b"\n\n"
 
 
-def _streamed(services: Any, model: str, audio: bytes, options: dict[str, Any],
+def _streamed(services: Services, model: str, audio: bytes, options: dict[str, Any],
               transcription: t.TranscriptionRequest) -> Response:
     """Window by window: a task of the app's nursery transcribes each window in order and hands the results
     over a bounded channel; the response relays them, with a keep-alive comment every 15 s while a window
@@ -252,14 +254,19 @@ def duration_ms(audio: bytes, segments: list[dict[str, Any]]) -> int:
 # ----- async (a job of kind audio)
 
 
-async def _submit_async(services: Any, model: str, audio: bytes, filename: str,
+async def _submit_async(services: Services, model: str, audio: bytes, filename: str,
                         transcription: t.TranscriptionRequest, options: dict[str, Any]) -> Response:
     await admit_work(services, f"whisper:{model}")
     uploads = services.paths.home / "jobs" / "inputs"
     job_id = f"audiojob_{secrets.token_hex(12)}"
     path = uploads / job_id
-    await trio.to_thread.run_sync(lambda: (uploads.mkdir(parents=True, exist_ok=True), path.write_bytes(audio)))
-    await services.jobs.create("audio", model=f"whisper:{model}", key=owner(), job_id=job_id, request={
+
+    def store() -> None:
+        uploads.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(audio)
+
+    await trio.to_thread.run_sync(store)
+    await required(services.jobs).create("audio", model=f"whisper:{model}", key=owner(), job_id=job_id, request={
         "input": str(path), "filename": filename, "options": options, "task": transcription.task,
         "format": transcription.response_format, "words": transcription.words,
         "language_probabilities": transcription.language_probabilities})
@@ -268,7 +275,7 @@ async def _submit_async(services: Any, model: str, audio: bytes, filename: str,
                          status=202)
 
 
-async def run_audio_job(services: Any, ctx: JobContext) -> dict[str, Any]:
+async def run_audio_job(services: Services, ctx: JobContext) -> dict[str, Any]:
     spec = ctx.request
     from pathlib import Path
 
@@ -284,7 +291,7 @@ async def run_audio_job(services: Any, ctx: JobContext) -> dict[str, Any]:
     except Refusal as refusal:
         raise JobFailed(refusal.message, fix=refusal.hint or "submit it again") from None
     rendered = render(result, transcription)
-    body = await rendered.get_data()
+    body = await rendered.get_data(as_text=False)
     content_type = rendered.content_type or ""
     return {"content_type": content_type,
             "body": json.loads(body) if "json" in content_type else body.decode()}
@@ -301,7 +308,7 @@ def _audio_job_view(row: dict[str, Any]) -> dict[str, Any]:
 @blueprint.get("/v1/audio/jobs/<job_id>")
 @role(Role.KEY)
 async def audio_job(job_id: str):
-    row = await current_services().jobs.get(job_id, viewer())
+    row = await required(current_services().jobs).get(job_id, viewer())
     if row is None or row["kind"] != "audio":
         return refuse(Refusal(404, f"no audio job {job_id}", hint="GET /v1/jobs?kind=audio lists yours"))
     return json_response(_audio_job_view(row))
@@ -311,11 +318,13 @@ async def audio_job(job_id: str):
 @role(Role.KEY)
 async def cancel_audio_job(job_id: str):
     services = current_services()
-    row = await services.jobs.get(job_id, viewer())
+    row = await required(services.jobs).get(job_id, viewer())
     if row is None or row["kind"] != "audio":
         return refuse(Refusal(404, f"no audio job {job_id}", hint="GET /v1/jobs?kind=audio lists yours"))
-    state = await services.jobs.cancel(job_id, viewer())
-    view = _audio_job_view(await services.jobs.get(job_id))
+    state = await required(services.jobs).cancel(job_id, viewer())
+    row = await required(services.jobs).get(job_id)
+    assert row is not None  # found above; job rows are archived, never deleted
+    view = _audio_job_view(row)
     if state == "cancelling":
         view["status"] = "cancelling"
     return json_response(view)
@@ -324,7 +333,7 @@ async def cancel_audio_job(job_id: str):
 # ------------------------------------------------------------------ text to speech
 
 
-async def speech_voice(services: Any, body: dict[str, Any]) -> str:
+async def speech_voice(services: Services, body: dict[str, Any]) -> str:
     """The piper voice: `model` when it names one, else `voice` (the OpenAI SDK requires both fields)."""
     installed = await trio.to_thread.run_sync(audio_models.installed_voices, services.paths)
     for candidate in (body.get("model"), body.get("voice")):
@@ -382,7 +391,7 @@ async def speech():
     return streamed
 
 
-async def _remote_speech_to_text(services: Any, task: str, transcription: t.TranscriptionRequest,
+async def _remote_speech_to_text(services: Services, task: str, transcription: t.TranscriptionRequest,
                                  fields: dict[str, list[str]], audio: bytes, filename: str) -> Response:
     """`peer:model`: the upload goes to the peer as a multipart form again (the model renamed, `stream` left
     out: progressive transcription is a local lane feature), and its answer comes back as it is."""
@@ -391,20 +400,22 @@ async def _remote_speech_to_text(services: Any, task: str, transcription: t.Tran
     if transcription.run_async:
         raise Refusal(400, f"async transcription jobs run on this gateway's own whisper; {transcription.model} is on "
                       "a remote", hint="send it without async=true (it is answered when done), or to the peer itself")
-    peer, name = remote_of(services, transcription.model)
+    remote = remote_of(services, transcription.model)
+    assert remote is not None  # routed here because the model is `peer:model`
+    peer, name = remote
     form = {key: values for key, values in fields.items() if key not in ("stream", "model")}
     path = "/v1/audio/transcriptions" if task == "transcribe" else "/v1/audio/translations"
     upload = httpx.Request("POST", f"http://{peer}{path}", data={**form, "model": name},
                            files={"file": (filename, audio)})
     body = await trio.to_thread.run_sync(upload.read)  # the multipart copy of an upload of up to 50 MiB
-    result = await forward(services, transcription.model, UpstreamCall(
-        path=path, body=body, content_type=upload.headers["content-type"]), request.headers)
+    result = buffered(await forward(services, transcription.model, UpstreamCall(
+        path=path, body=body, content_type=upload.headers["content-type"]), request.headers))
     if result.status >= 400:
         raise engine_failure(result)
     return Response(result.body, status=result.status, content_type=result.content_type)
 
 
-async def _remote_speech(services: Any, body: dict[str, Any]) -> Response:
+async def _remote_speech(services: Services, body: dict[str, Any]) -> Response:
     """`peer:voice`: the request goes to the peer's /v1/audio/speech as it came (the voice renamed), and its
     audio comes back as the peer sends it, byte for byte."""
     upstream = UpstreamCall(path="/v1/audio/speech", body=msgspec.json.encode(body), stream=True)
@@ -432,7 +443,7 @@ async def _pcm_chunks(stream: Any) -> AsyncIterator[bytes]:
             yield item.data
 
 
-def _voice_rate(services: Any, voice: str) -> int:
+def _voice_rate(services: Services, voice: str) -> int:
     config = json.loads(audio_models.voice_file(services.paths, voice).with_suffix(".onnx.json").read_text())
     return int((config.get("audio") or {}).get("sample_rate") or 22050)
 
@@ -459,11 +470,13 @@ def _live_transcode(stream: Any, argv: list[str]) -> AsyncIterator[bytes]:
         try:
             async with send, trio.open_nursery() as nursery:
                 async def feed() -> None:
+                    assert process.stdin is not None  # spawned with a pipe on each side
                     async with process.stdin:
                         async for pcm in _pcm_chunks(stream):
                             await process.stdin.send_all(pcm)
 
                 nursery.start_soon(feed)
+                assert process.stdout is not None
                 while data := await process.stdout.receive_some(65536):
                     await send.send(data)
         except* (trio.BrokenResourceError, trio.ClosedResourceError):

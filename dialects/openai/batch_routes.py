@@ -16,12 +16,13 @@ from quart import Blueprint, Response, request
 
 from dialects.batches import LOW_PRIORITY, ItemFailed, count_lines, counts_of, decode_lines, item_rows, run_items
 from dialects.chat_core import completion_result, run_chat
-from dialects.current import current_services
+from dialects.current import current_services, required
 from dialects.edge import Refusal, admit_work, forward, json_response, limit_arg, owner, refuse, viewer
 from dialects.roles import Role, role
 from dialects.wire import RequestError, check_choices, decode_object, require_model
 from supervisors.instance import UpstreamCall
 from supervisors.jobs import TERMINAL, JobContext
+from supervisors.services import Services
 
 from .responses_routes import answer
 from .responses_translate import check_request as check_response_request
@@ -44,7 +45,7 @@ def _file_object(row: dict[str, Any]) -> dict[str, Any]:
             "status_details": None}
 
 
-async def _file_row(services: Any, file_id: str) -> dict[str, Any] | None:
+async def _file_row(services: Services, file_id: str) -> dict[str, Any] | None:
     rows = await services.ledger.query("SELECT * FROM files WHERE id = ?", (file_id,))
     if not rows:
         return None
@@ -82,7 +83,7 @@ async def upload_file():
     return json_response(_file_object(row))
 
 
-async def _check_file_quota(services: Any, key: str | None, size: int) -> None:
+async def _check_file_quota(services: Services, key: str | None, size: int) -> None:
     """A key's stored files are bounded in count and bytes (`files_per_key`, `file_storage_per_key_mib`), so
     one key cannot fill the gateway's disk; an open gateway's files count as one owner's."""
     config = services.config
@@ -111,12 +112,12 @@ def _write(path: Path, data: bytes) -> None:
     path.write_bytes(data)
 
 
-async def _batch_file(services: Any, file_id: str) -> tuple[dict[str, Any], bytes] | None:
+async def _batch_file(services: Services, file_id: str) -> tuple[dict[str, Any], bytes] | None:
     """A batch's output or error file, rendered from its items: `file-<batch id>-output|errors`."""
     if not file_id.startswith("file-batch_") or not file_id.endswith(("-output", "-errors")):
         return None
     batch_id, which = file_id[len("file-"):].rsplit("-", 1)
-    row = await services.jobs.get(batch_id, viewer())
+    row = await required(services.jobs).get(batch_id, viewer())
     if row is None or row["kind"] != "batch":
         return None
     lines = []
@@ -195,7 +196,7 @@ async def file_content(file_id: str):
 # ------------------------------------------------------------------ batches
 
 
-async def _openai_item(services: Any, endpoint: str, item: dict[str, Any], key: str | None) -> dict[str, Any]:
+async def _openai_item(services: Services, endpoint: str, item: dict[str, Any], key: str | None) -> dict[str, Any]:
     if "_invalid" in item:
         raise ItemFailed(400, "invalid_json", item["_invalid"])
     if not isinstance(item.get("custom_id"), str):
@@ -219,7 +220,7 @@ async def _openai_item(services: Any, endpoint: str, item: dict[str, Any], key: 
     return completion_result(reply, strip=False).payload or {}
 
 
-async def run_openai_batch(services: Any, ctx: JobContext) -> dict[str, Any]:
+async def run_openai_batch(services: Services, ctx: JobContext) -> dict[str, Any]:
     rows = await services.ledger.query("SELECT path FROM files WHERE id = ?", (ctx.request["input_file_id"],))
     data = await trio.to_thread.run_sync(Path(rows[0]["path"]).read_bytes) if rows else b""
     endpoint = ctx.request["endpoint"]
@@ -305,7 +306,7 @@ async def list_batches():
 
 
 async def _batch_row(batch_id: str) -> dict[str, Any] | None:
-    row = await current_services().jobs.get(batch_id, viewer())
+    row = await required(current_services().jobs).get(batch_id, viewer())
     return row if row is not None and row["kind"] == "batch" else None
 
 
@@ -325,8 +326,10 @@ async def cancel_batch(batch_id: str):
     row = await _batch_row(batch_id)
     if row is None:
         return refuse(Refusal(404, f"no batch {batch_id}", hint="GET /v1/batches lists yours"))
-    await services.jobs.cancel(batch_id, viewer())
-    view = batch_object(await services.jobs.get(batch_id))
+    await required(services.jobs).cancel(batch_id, viewer())
+    row = await required(services.jobs).get(batch_id)
+    assert row is not None  # found above; job rows are archived, never deleted
+    view = batch_object(row)
     if view["status"] in ("validating", "in_progress"):
         view["status"] = "cancelling"
         view["cancelling_at"] = int(time.time())

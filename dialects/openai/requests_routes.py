@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 from quart import Blueprint, Response, request
 
-from dialects.current import current_services
+from dialects.current import current_services, required
 from dialects.edge import Refusal, viewer
 from dialects.roles import Role, role
 from supervisors.actor import ActorError
@@ -33,7 +33,7 @@ async def list_requests():
 @role(Role.KEY)
 async def get_request(card_id: str):
     try:
-        return _json(await current_services().requests.get(card_id, viewer()))
+        return _json(await required(current_services().requests).get(card_id, viewer()))
     except ActorError as error:
         return Refusal.from_err(error.err).response(request.path)
 
@@ -52,7 +52,7 @@ async def interrupt_request(card_id: str):
 
 async def _signal(card_id: str, kind: str) -> Response:
     try:
-        card = await current_services().requests.signal(card_id, kind, viewer())
+        card = await required(current_services().requests).signal(card_id, kind, viewer())
     except ActorError as error:
         return Refusal.from_err(error.err).response(request.path)
     return _json({**card, "signal": kind})

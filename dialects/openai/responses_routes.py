@@ -12,13 +12,14 @@ import msgspec
 from quart import Blueprint, Response, request
 
 from dialects.chat_core import StreamBroken, run_chat
-from dialects.current import current_services
+from dialects.current import current_services, required
 from dialects.edge import Refusal, acting_for, admit_work, json_response, owner, refuse, viewer
 from dialects.roles import Role, role
 from dialects.session import RequestSession, flight_key
 from dialects.wire import RequestError, decode_object
 from supervisors.jobs import JobFailed
 from supervisors.responses import StoredResponse
+from supervisors.services import Services
 
 from . import responses_translate as t
 
@@ -29,25 +30,25 @@ class PreviousMissing(LookupError):
     """previous_response_id names no stored response."""
 
 
-async def _history(services: Any, body: dict[str, Any], key_view: str | None
+async def _history(services: Services, body: dict[str, Any], key_view: str | None
                    ) -> tuple[list[dict[str, Any]], str | None]:
     """The conversation a request continues (previous_response_id, else its named conversation's latest
     response), and the conversation it is filed under (inherited through the chain)."""
     conversation = t.conversation_name(body)
     previous_id = body.get("previous_response_id")
     if previous_id:
-        previous = await services.responses.get(previous_id, key_view)
+        previous = await required(services.responses).get(previous_id, key_view)
         if previous is None:
             raise PreviousMissing(previous_id)
         return previous.messages, conversation or previous.conversation
     if conversation:
-        thread = await services.responses.conversation(conversation, key_view)
+        thread = await required(services.responses).conversation(conversation, key_view)
         if thread:
             return thread[-1].messages, conversation
     return [], conversation
 
 
-async def _route_history(services: Any, body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
+async def _route_history(services: Services, body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
     try:
         return await _history(services, body, viewer())
     except PreviousMissing as missing:
@@ -55,16 +56,16 @@ async def _route_history(services: Any, body: dict[str, Any]) -> tuple[list[dict
                       "or it expired after 24 hours", hint="send the whole conversation in `input` instead") from None
 
 
-async def _store(services: Any, response_id: str, body: dict[str, Any], conversation: str | None,
+async def _store(services: Services, response_id: str, body: dict[str, Any], conversation: str | None,
                  turn: list[dict[str, Any]], message: dict[str, Any], stored_body: dict[str, Any],
                  key: str | None) -> None:
     if body.get("store", True):
-        await services.responses.put(StoredResponse(
+        await required(services.responses).put(StoredResponse(
             id=response_id, created=time.time(), key=key, conversation=conversation,
             previous_id=body.get("previous_response_id"), body=stored_body, messages=[*turn, message]))
 
 
-async def answer(services: Any, body: dict[str, Any], response_id: str, *, key: str | None) -> dict[str, Any]:
+async def answer(services: Services, body: dict[str, Any], response_id: str, *, key: str | None) -> dict[str, Any]:
     """One buffered response, stored when asked: the work of a background job, outside any HTTP request."""
     try:
         history, conversation = await _history(services, body, key)
@@ -82,7 +83,7 @@ async def answer(services: Any, body: dict[str, Any], response_id: str, *, key: 
     return obj
 
 
-async def run_background(services: Any, ctx: Any) -> dict[str, Any]:
+async def run_background(services: Services, ctx: Any) -> dict[str, Any]:
     """A background response's job: the answer is stored; a refusal becomes the job's teaching failure."""
     try:
         return await answer(services, ctx.request["body"], ctx.id, key=ctx.key)
@@ -145,10 +146,10 @@ async def create_response():
 async def get_response(response_id: str):
     """A stored response verbatim; a background one's job status while it runs, or its failure."""
     services = current_services()
-    stored = await services.responses.get(response_id, viewer())
+    stored = await required(services.responses).get(response_id, viewer())
     if stored is not None:
         return Response(msgspec.json.encode(stored.body), content_type="application/json")
-    row = await services.jobs.get(response_id, viewer())
+    row = await required(services.jobs).get(response_id, viewer())
     if row is None or row["kind"] != "responses":
         return refuse(Refusal(404, f"no stored response {response_id}: responses are kept 24 hours, and only with "
                               "`store: true`", hint="GET /v1/conversations/{name} lists a conversation's responses"))
@@ -167,7 +168,7 @@ async def get_response(response_id: str):
 @blueprint.get("/v1/conversations/<name>")
 @role(Role.KEY)
 async def get_conversation(name: str):
-    thread = await current_services().responses.conversation(name, viewer())
+    thread = await required(current_services().responses).conversation(name, viewer())
     if not thread:
         return refuse(Refusal(404, f"no conversation {name!r}: a conversation exists once a stored response names "
                               "it", hint="POST /v1/responses with \"conversation\": \"" + name + "\""))
@@ -178,7 +179,7 @@ async def get_conversation(name: str):
 @blueprint.delete("/v1/conversations/<name>")
 @role(Role.KEY)
 async def delete_conversation(name: str):
-    removed = await current_services().responses.delete_conversation(name, viewer())
+    removed = await required(current_services().responses).delete_conversation(name, viewer())
     if not removed:
         return refuse(Refusal(404, f"no conversation {name!r}"))
     return json_response({"object": "conversation.deleted", "id": name, "deleted": True, "responses": removed})

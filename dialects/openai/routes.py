@@ -10,8 +10,18 @@ import trio
 from quart import Blueprint, Response, request
 
 from dialects.chat_core import ChatResult, StreamBroken, completion_result, run_chat
-from dialects.current import current_services
-from dialects.edge import Refusal, count_input_tokens, forward, json_body, json_reply, owner, refuse, residents
+from dialects.current import current_services, required
+from dialects.edge import (
+    Refusal,
+    buffered,
+    count_input_tokens,
+    forward,
+    json_body,
+    json_reply,
+    owner,
+    refuse,
+    residents,
+)
 from dialects.roles import Role, role
 from dialects.session import RequestSession, flight_key
 from dialects.wire import ChatStreamRewriter, RequestError, check_choices, require_model
@@ -98,7 +108,9 @@ async def update_completion(completion_id: str):
         metadata = check_metadata(body, required=True)
     except (RequestError, Refusal) as error:
         return refuse(error)
-    card = await current_services().requests.update_completion(completion_id, metadata, owner())  # refusals: app.py
+    assert metadata is not None  # required=True: a body without it was refused
+    requests = required(current_services().requests)
+    card = await requests.update_completion(completion_id, metadata, owner())  # refusals: app.py
     return Response(msgspec.json.encode(card), content_type="application/json")
 
 
@@ -109,7 +121,7 @@ async def _passthrough(path: str):
         model = require_model(body)
         result = await forward(current_services(), model, UpstreamCall(path=path, body=msgspec.json.encode(body)),
                                request.headers)
-        return json_reply(result)
+        return json_reply(buffered(result))
     except (RequestError, Refusal) as error:
         return refuse(error)
 
