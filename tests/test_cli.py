@@ -78,7 +78,7 @@ def test_store_and_roster_commands_print_pure_jsonl(home: Paths, tmp_path, share
     modelfile = tmp_path / "Modelfile"
     modelfile.write_text("FROM tiny:q8_0\nPARAMETER num_ctx 1024\n")
     steps = [
-        ("import", str(model)), ("cp", "tiny:q8_0", "alias:1"), ("list",), ("show", "alias"),
+        ("import", str(model)), ("cp", "tiny:q8_0", "alias:1"), ("list",), ("ls",), ("show", "alias"),
         ("create", "made", "-f", str(modelfile)), ("mmproj", "alias", str(projector)), ("pull", "alias", "--verify"),
         ("fit", "alias"), ("rm", "alias", "made"),
         ("engine", "local", shared_engine.binary), ("engine", "local", shared_engine.binary, "--tag", "second"),
@@ -92,9 +92,10 @@ def test_store_and_roster_commands_print_pure_jsonl(home: Paths, tmp_path, share
         lines = result.stdout.splitlines()
         assert lines, step
         printed[step] = [json.loads(line) for line in lines]
-    # What the store commands did, not only that they printed JSON: `list` lists the import and the copy, and
+    # What the store commands did, not only that they printed JSON: `list` (and `ls`) lists the import and the copy, and
     # `mmproj` attached the projector (its digest), which makes the model a vision model.
     assert sorted(row["name"] for row in printed[("list",)]) == ["alias:1", "tiny:q8_0"]
+    assert printed[("ls",)] == printed[("list",)]
     [attached] = printed[("mmproj", "alias", str(projector))]
     assert attached["name"] == "alias:1" and attached["mmproj"] == hashlib.sha256(projector.read_bytes()).hexdigest()
     shown = json.loads(run_cli("show", "tiny:q8_0", "--json").stdout)

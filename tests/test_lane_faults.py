@@ -200,12 +200,12 @@ async def test_think_blocks_are_stripped_unless_thinking_was_asked_for(nursery, 
                 "choices"][0]["message"]["content"]
 
 
-async def test_rerank_answers_on_all_four_spellings(nursery, fake_home):
+async def test_rerank_answers_on_all_five_spellings(nursery, fake_home):
     """Rerank needs a model with a rank head, and none ships on PyPI: the labelled fake answers."""
     gateway = await start_gateway(nursery, fake_home)
     with trio.fail_after(30):
         async with gateway.client() as client:
-            for path in ("/v1/rerank", "/v1/reranking", "/rerank", "/reranking"):
+            for path in ("/v1/rerank", "/v1/reranking", "/rerank", "/reranking", "/api/rerank"):
                 response = await client.post(path, json={"model": "fake:1", "query": "sea",
                                                          "documents": ["ocean", "desert", "river"]},
                                              headers={"X-Blazar-Model": "fake:1"})
