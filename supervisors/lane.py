@@ -153,7 +153,7 @@ class LaneSupervisor(MessageLoop):
         self.crashes: dict[str, deque[float]] = {}
         self.breakers: dict[str, Breaker] = {}
         self.planning: dict[tuple[Any, ...], _Pending] = {}
-        self.mailbox: trio.MemorySendChannel | None = None
+        self.mailbox: trio.MemorySendChannel  # set by supervise() before run()
         self.aliases: dict[str, str] = {}  # what clients call a model -> its store name (fast path)
 
     async def on_start(self, nursery: trio.Nursery) -> None:
@@ -467,6 +467,7 @@ class LaneSupervisor(MessageLoop):
             self.crashes.pop(event.key, None)
             self._record("breaker", event.key, state="closed")
         elif probing and event.state == State.STOPPED:
+            assert breaker is not None  # probing: its breaker is open
             breaker.probe_serial = None  # the probe ended without an answer either way: the next request probes
             breaker.opened_at = trio.current_time() - breaker.cool_down
         if event.state == State.STOPPED:
@@ -526,7 +527,8 @@ class LaneSupervisor(MessageLoop):
     async def _ps(self, message: Ps, views: list[dict[str, Any]]) -> None:
         """The rows, with each instance's own live counters (queued, in flight) asked of it, concurrently;
         an instance that does not answer within a second shows its last report."""
-        mailboxes = {(r.key, r.serial): r.mailbox for r in [*self.residents.values(), *self.draining.values()]}
+        mailboxes: dict[tuple[str, int | None], trio.MemorySendChannel] = {
+            (r.key, r.serial): r.mailbox for r in [*self.residents.values(), *self.draining.values()]}
 
         async def ask(row: dict[str, Any], mailbox: trio.MemorySendChannel) -> None:
             try:

@@ -14,16 +14,18 @@ from typing import Any
 
 import msgspec
 import trio
-from quart import Blueprint, current_app, websocket
+from quart import Blueprint, websocket
 
 from blazar import audio_models
 from blazar.pcm import resample
 from dialects.chat_core import run_chat
+from dialects.current import blazar_scope, current_services
 from dialects.edge import Refusal, acting_for, forward, owner
 from dialects.roles import Role, role
 from supervisors.actor import ActorError
 from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply
 from supervisors.realtime import RealtimeSession, Settings, Sink
+from supervisors.services import Services
 
 from .audio_routes import _transcribe_once, _voice_rate, whisper_model
 from .audio_translate import text_of
@@ -37,7 +39,7 @@ MAX_REPLY_TOKENS = 200
 class GatewayPipeline:
     """The session's engines: the same canonical calls as the HTTP routes, under the connection's key."""
 
-    def __init__(self, services: Any, key: str | None, chat_model: str) -> None:
+    def __init__(self, services: Services, key: str | None, chat_model: str) -> None:
         self.services = services
         self.key = key
         self.chat_model = chat_model
@@ -53,6 +55,7 @@ class GatewayPipeline:
                 "repeat_penalty": 1.1}
         async with acting_for(self.services, self.key):
             result = await run_chat(self.services, body, {})
+            assert result.chunks is not None  # asked for a stream: chunk dicts
             async for chunk in result.chunks:
                 for choice in chunk.get("choices") or []:
                     piece = (choice.get("delta") or {}).get("content")
@@ -77,7 +80,7 @@ class GatewayPipeline:
 @blueprint.websocket("/v1/realtime")
 @role(Role.KEY)
 async def realtime():
-    services = current_app.services
+    services = current_services()
     voices = await trio.to_thread.run_sync(audio_models.installed_voices, services.paths)
     voice = websocket.args.get("voice") or (audio_models.DEFAULT_VOICE if audio_models.DEFAULT_VOICE in voices
                                             else (voices[0] if voices else ""))
@@ -109,14 +112,14 @@ async def realtime():
         await websocket.close(1001 if ticket.stop.is_set() else 1000, ticket.reason[:120])
 
 
-async def _admit_session(services: Any, key: str | None) -> Refusal | None:
+async def _admit_session(services: Services, key: str | None) -> Refusal | None:
     """The connection is admitted like a request of its key (rpm, and a max_concurrent place held for as long
     as it is open: the auth middleware gives the lease back when the connection ends); each turn's stages are
     then admitted and charged on their own."""
     if key is None or services.admission is None:
         return None
     try:
-        websocket.scope["blazar.lease"] = await services.admission.admit(key, "", "requests")
+        blazar_scope(websocket.scope)["blazar.lease"] = await services.admission.admit(key, "", "requests")
     except ActorError as error:
         return Refusal.from_err(error.err)
     return None
