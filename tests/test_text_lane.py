@@ -101,23 +101,23 @@ async def test_idle_model_is_evicted_and_its_child_reaped(nursery, lane_home):
 
 
 async def test_a_model_with_a_request_in_flight_is_never_evicted(nursery, lane_home, shared_home):
-    """keep_alive 0.5 s and room for one resident: a stream that lasts several keep-alives is served to its end
-    by the child it started on, which is still resident and ready after it; a request for another model
-    meanwhile is refused (503 all_models_busy) instead of evicting the busy one."""
+    """keep_alive 0.3 s and room for one resident: a stream that lasts several keep-alives is served to its end
+    by one child that stays busy throughout (never ready, draining or replaced); a request for another model
+    meanwhile is refused (503 all_models_busy) instead of evicting it. Once idle, the same keep-alive does
+    evict it: the keep-alive was live all along, only the request in flight held it off."""
     add_shared_model(lane_home, shared_home, name="second:1")
-    gateway = await gateway_with(nursery, lane_home, keep_alive="0.5s", max_resident_models=1)
+    gateway = await gateway_with(nursery, lane_home, keep_alive="0.3s", max_resident_models=1)
     with trio.fail_after(180):
         async with gateway.client(timeout=60) as client, gateway.client(timeout=60) as other:
-            await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))
-            (before,) = await ps(client)
-            states, frames, refused = [], [], []
+            seen, frames, refused = [], [], []
 
             async def ask_for_another_model():
                 refused.append(await other.post("/v1/chat/completions", json=chat_body("second:1", max_tokens=1)))
 
+            # No warm-up request: an idle gap before the stream would let the 0.3 s keep-alive evict the child.
             async with trio.open_nursery() as requests, client.stream(
                     "POST", "/v1/chat/completions", json=chat_body(
-                        text="Write a long story about a dragon.", stream=True, max_tokens=120, temperature=0,
+                        text="Write a long story about a dragon.", stream=True, max_tokens=200, temperature=0,
                         ignore_eos=True)) as response:
                 async for line in response.aiter_lines():
                     if not line.startswith("data: "):
@@ -125,19 +125,27 @@ async def test_a_model_with_a_request_in_flight_is_never_evicted(nursery, lane_h
                     frames.append((trio.current_time(), line[6:]))
                     if len(frames) == 5:
                         requests.start_soon(ask_for_another_model)
-                    if len(frames) % 3 == 0 and (rows := await ps(other)):
-                        states.append(rows[0]["state"])
+                    if len(frames) % 3 == 1 and line[6:] != "[DONE]":
+                        seen.extend((row["model"], row["state"], row["pid"]) for row in await ps(other))
             lasted = frames[-1][0] - frames[0][0]
-            assert lasted > 1.5, f"the stream lasted {lasted:.1f}s: not three times the 0.5 s keep-alive"
+            assert lasted > 1.2, f"the stream lasted {lasted:.1f}s: not four times the 0.3 s keep-alive"
             assert frames[-1][1] == "[DONE]"
-            assert json.loads(frames[-2][1])["choices"][0]["finish_reason"] == "length"  # all 120 tokens came
+            assert json.loads(frames[-2][1])["choices"][0]["finish_reason"] == "length"  # all 200 tokens came
             [refusal] = refused
             assert refusal.status_code == 503, refusal.text
             assert "every one is busy" in refusal.json()["error"]["message"]
-            assert states.count("busy") > 10 and set(states) <= {"busy", "ready"}
-            (after,) = await ps(client)  # right after: the same child, ready, not draining
-            assert (after["model"], after["pid"], after["state"]) == ("smollm2:135m", before["pid"], "ready")
-            assert pid_alive(before["pid"])
+            assert len({(model, pid) for model, _, pid in seen}) == 1, seen  # one child, never replaced
+            states = [state for _, state, _ in seen]
+            # Busy while the engine generates; ready only once it is done and the last buffered chunks are still
+            # on their way to this client. Never draining or stopping.
+            assert states.count("busy") > 10 and states[0] == "busy", states
+            assert states == ["busy"] * states.count("busy") + ["ready"] * states.count("ready"), states
+
+            while await ps(client):  # noqa: ASYNC110 - idle now: the keep-alive evicts it
+                await trio.sleep(0.05)
+            assert not pid_alive(seen[0][2])
+        [evicted] = await gateway.services.ledger.recent_events(kind="evict")
+        assert evicted["model"] == "smollm2:135m" and "idle keep_alive" in evicted["detail"]
 
 
 async def test_the_least_recently_used_idle_model_is_evicted_at_the_cap(nursery, lane_home, shared_home):
