@@ -1,9 +1,10 @@
 """A real llama-server, killed from outside (its pid read from /api/ps, as an operator or the OOM killer would):
 mid-stream, mid-answer and between requests. What the client sees: OpenAI's error frame naming the crash, a
 502 naming it, a new child on the next request, and after three crashes the breaker, which heals after its
-cool-down on the real engine or is cleared with `blazar ps --reset`. tests/test_lane_faults.py drives the same
-paths with a labelled fake for the faults a real engine cannot be made to show (a crash while loading, a
-child that ignores SIGTERM)."""
+cool-down on the real engine or is cleared with `blazar ps --reset`. Also a model file cut short (the engine
+fails while loading, in its own words) and an engine stopped with SIGSTOP (it cannot act on SIGTERM: killed
+after the grace). tests/test_lane_faults.py drives the same paths with a labelled fake, and the one fault a real
+engine cannot be made to show on demand: one that never becomes healthy."""
 
 from __future__ import annotations
 
@@ -176,3 +177,42 @@ async def test_blazar_ps_reset_clears_an_open_breaker_of_a_real_engine(lane_home
             assert await server.wait() == 0
     finally:
         server.kill()
+
+
+async def test_a_real_engine_that_cannot_load_its_model_is_a_502_in_its_own_words(nursery, lane_home, shared_smollm2,
+                                                                                  tmp_path):
+    """A GGUF cut short (a download that stopped, a full disk): llama-server itself fails while loading, and the
+    client reads why in the engine's own log lines."""
+    from blazar.store import Store
+
+    truncated = tmp_path / "broken.gguf"
+    with shared_smollm2.open("rb") as source:
+        truncated.write_bytes(source.read(20_000_000))
+    Store(lane_home).import_file(truncated, name="broken:1")
+    gateway = await start_gateway(nursery, lane_home)
+    with trio.fail_after(60):
+        async with gateway.client(timeout=30) as client:
+            refused = await client.post("/v1/chat/completions", json=chat_body("broken:1", max_tokens=2))
+            assert refused.status_code == 502, refused.text
+            message = refused.json()["error"]["message"]
+            assert "while loading" in message and "failed to load model" in message, message
+            while await ps(client):  # noqa: ASYNC110 - the failed child is being reaped
+                await trio.sleep(0.05)
+    assert not list((lane_home.run / "children").glob("*.json"))
+
+
+async def test_a_real_engine_that_does_not_stop_on_sigterm_is_killed_after_the_grace(nursery, lane_home):
+    """llama-server stopped with SIGSTOP cannot act on SIGTERM (a hung engine): unloading it waits the 5 s grace,
+    then SIGKILLs it, and the unload answers only once it is gone."""
+    gateway = await start_gateway(nursery, lane_home)
+    with trio.fail_after(60):
+        async with gateway.client(timeout=30) as client:
+            assert (await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))).status_code == 200
+            pid = await serving_pid(client)
+            os.kill(pid, signal.SIGSTOP)
+            started = trio.current_time()
+            unloaded = await client.post("/api/evict", json={"model": MODEL})
+            waited = trio.current_time() - started
+            assert unloaded.status_code == 200, unloaded.text
+            assert not pid_alive(pid) and await ps(client) == []
+    assert 4.5 < waited < 15  # the grace, then SIGKILL, then reaped
