@@ -264,8 +264,14 @@ class RemotePeer(MessageLoop):
         usage = message.on_usage
         try:
             if not message.call.stream:
-                response = await self.pool.request(message.call.method, url, content=body or None,
-                                                   headers=headers, extensions=self._extensions())
+                try:
+                    response = await self.pool.request(message.call.method, url, content=body or None,
+                                                       headers=headers, extensions=self._extensions())
+                except httpcore.RemoteProtocolError:
+                    # The peer closed a pooled keep-alive connection (llama-server does after a stream) before
+                    # reading this request: it never reached the peer, so it is sent once more on a new one.
+                    response = await self.pool.request(message.call.method, url, content=body or None,
+                                                       headers=headers, extensions=self._extensions())
                 reply = self._reply(response.status, response.content, header(response, b"content-type"))
                 if isinstance(reply, Err):
                     answer(message.reply, reply)
@@ -275,8 +281,13 @@ class RemotePeer(MessageLoop):
                     usage(lane.usage_total(message.call.path, body=reply.body))
                 failed = broken_answer(reply.status)
                 return not failed, f"{self.entry.name} answered {reply.status}" if failed else ""
-            async with self.pool.stream(message.call.method, url, content=body, headers=headers,
-                                        extensions=self._extensions()) as response:
+            async with contextlib.AsyncExitStack() as stack:
+                try:
+                    response = await stack.enter_async_context(self.pool.stream(
+                        message.call.method, url, content=body, headers=headers, extensions=self._extensions()))
+                except httpcore.RemoteProtocolError:  # a stale pooled connection, as above: once more
+                    response = await stack.enter_async_context(self.pool.stream(
+                        message.call.method, url, content=body, headers=headers, extensions=self._extensions()))
                 if response.status != 200:
                     reply = self._reply(response.status, await response.aread(), header(response, b"content-type"))
                     answer(message.reply, reply if isinstance(reply, Err) else Ok(reply))
