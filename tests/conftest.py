@@ -155,6 +155,28 @@ async def live(nursery, home: Paths, shared_home: Paths, shared_engine) -> Gatew
     return gateway
 
 
+@pytest.fixture
+def voice_home(home: Paths, shared_home: Paths, shared_engine) -> Paths:
+    """A home with the real engine, SmolLM2 and the speech models (whisper tiny.en and base, the piper voice),
+    all linked from the shared home: every lane can serve."""
+    from tests.lane_fixtures import add_shared_audio, add_shared_model, register_engine
+
+    register_engine(home, shared_engine.binary, shared_engine.tag)
+    add_shared_model(home, shared_home)
+    add_shared_audio(home, shared_home)
+    return home
+
+
+class Clock:
+    """A wall clock a test moves (the admission actor counts its windows and UTC days on it)."""
+
+    def __init__(self, start: float) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
 # ---------------------------------------------------------------- no secret in any log of the run
 
 ISSUED_SECRETS: set[str] = set()

@@ -16,7 +16,7 @@ import trio
 
 from blazar.config import ConfigFile
 from blazar.paths import Paths
-from tests.conftest import issued, start_gateway
+from tests.conftest import Clock, issued, start_gateway
 from tests.lane_fixtures import add_shared_model, chat_body, register_engine
 
 pytestmark = pytest.mark.engine
@@ -24,16 +24,6 @@ pytestmark = pytest.mark.engine
 OWNER = "plm_" + "0a" * 16
 LIMITED = "plm_" + "1b" * 16
 MODEL = "smollm2:135m"
-
-
-class Clock:
-    """The wall clock the admission actor counts on, moved by the test."""
-
-    def __init__(self, start: float) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def configure(home: Paths, **limits) -> list:

@@ -13,18 +13,10 @@ from blazar.paths import Paths
 from supervisors.actor import ActorError, supervise
 from supervisors.placement import EvictForRoom, PlacementActor, PlacementClient
 from tests.conftest import start_gateway
-from tests.lane_fixtures import add_shared_audio, add_shared_model, chat_body, register_engine
+from tests.lane_fixtures import chat_body
 
 VOICE = audio_models.DEFAULT_VOICE
 MiB = 1024 * 1024
-
-
-@pytest.fixture
-def both_lanes(home: Paths, shared_home: Paths, shared_engine) -> Paths:
-    register_engine(home, shared_engine.binary, shared_engine.tag)
-    add_shared_model(home, shared_home)
-    add_shared_audio(home, shared_home)
-    return home
 
 
 async def lanes_of(client: httpx.AsyncClient) -> list[tuple[str, str]]:
@@ -38,9 +30,9 @@ async def speak(client: httpx.AsyncClient) -> httpx.Response:
 
 
 @pytest.mark.engine
-async def test_a_budget_that_fits_one_model_evicts_the_idle_one_whatever_its_lane(nursery, both_lanes: Paths):
+async def test_a_budget_that_fits_one_model_evicts_the_idle_one_whatever_its_lane(nursery, voice_home: Paths):
     # SmolLM2 is 94 MiB and the piper voice 61 MiB: 130 MiB holds either, never both.
-    gateway = await start_gateway(nursery, both_lanes, ram_budget_mib=130)
+    gateway = await start_gateway(nursery, voice_home, ram_budget_mib=130)
     with trio.fail_after(120):
         async with gateway.client(timeout=60) as client:
             assert (await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))).status_code == 200

@@ -10,23 +10,14 @@ import pytest
 import trio
 import trio_websocket
 
-from blazar.paths import Paths
 from blazar.pcm import resample
 from tests.conftest import start_gateway
-from tests.lane_fixtures import add_shared_audio, add_shared_model, ps, register_engine
+from tests.lane_fixtures import ps
 
 pytestmark = pytest.mark.engine
 
 VOICE = "en_US-joe-medium"
 QUESTION = "What is the capital of France?"
-
-
-@pytest.fixture
-def voice_home(home: Paths, shared_home: Paths, shared_engine) -> Paths:
-    register_engine(home, shared_engine.binary, shared_engine.tag)
-    add_shared_model(home, shared_home)
-    add_shared_audio(home, shared_home)
-    return home
 
 
 def ws_url(gateway, query: str = "") -> str:

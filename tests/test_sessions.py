@@ -14,19 +14,11 @@ import trio_websocket
 from blazar.paths import Paths
 from blazar.procs import pid_alive
 from tests.conftest import ServeProcess
-from tests.lane_fixtures import add_shared_audio, add_shared_model, chat_body, register_engine
+from tests.lane_fixtures import chat_body
 
 pytestmark = pytest.mark.engine
 
 VOICE = "en_US-joe-medium"
-
-
-@pytest.fixture
-def voice_home(home: Paths, shared_home: Paths, shared_engine) -> Paths:
-    register_engine(home, shared_engine.binary, shared_engine.tag)
-    add_shared_model(home, shared_home)
-    add_shared_audio(home, shared_home)
-    return home
 
 
 async def next_event(ws: trio_websocket.WebSocketConnection) -> dict:

@@ -18,7 +18,7 @@ from blazar.store import Store
 from dialects.app import create_app
 from dialects.roles import census
 from supervisors.fair_slots import FairSlots
-from tests.conftest import issued, start_gateway
+from tests.conftest import Clock, issued, start_gateway
 from tests.lane_fixtures import add_shared_model, chat_body, register_engine
 
 OWNER = "plm_" + "7c" * 16
@@ -34,14 +34,6 @@ ADMIN_ROUTES = {
     ("GET", "/api/keys"), ("POST", "/api/keys"), ("DELETE", "/api/keys"), ("POST", "/api/keys/rotate"),
 }
 OPEN_ROUTES = {("GET", "/healthz"), ("GET", "/health")}
-
-
-class Clock:
-    def __init__(self, start: float) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def two_keys(home: Paths, **tenant_fields) -> list:
