@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-import msgspec
 import trio
 from hypercorn.config import Config as HyperConfig
 from hypercorn.config import Sockets
@@ -143,19 +142,15 @@ async def run_gateway(
         # Memory across every lane: one budget, eviction of the idle child of any lane (supervisors/placement.py).
         placement = PlacementClient(await root.start(partial(
             supervise, lambda: PlacementActor(config.ram_budget_mib * 1024 * 1024), mailbox_size=4096)))
-        text_lane = LANES["llamacpp"]
-        lane = LaneClient(await root.start(partial(
-            supervise, lambda: LaneSupervisor(text_lane, paths, config, ledger=ledger, obs=obs, placement=placement),
-            mailbox_size=1024)), text_lane)
-        lanes = {"llamacpp": lane}
-        # Speech children idle out on their own clock and count against their own lane's resident cap; memory
-        # is shared with every lane through the placement actor.
-        speech_config = msgspec.structs.replace(config, keep_alive=config.audio_idle_secs, models={})
-        for kind in ("whisper", "piper"):
+        # One supervisor per lane in LANES, each with the settings its lane module gives (a speech lane idles
+        # out on its own clock); memory is shared by every lane through the placement actor.
+        lanes: dict[str, LaneClient] = {}
+        for kind, module in LANES.items():
             lanes[kind] = LaneClient(await root.start(partial(
-                supervise, lambda kind=kind: LaneSupervisor(LANES[kind], paths, speech_config, ledger=ledger, obs=obs,
-                                                            placement=placement),
-                mailbox_size=256)), LANES[kind])
+                supervise, lambda module=module: LaneSupervisor(module, paths, module.settings(config), ledger=ledger,
+                                                                obs=obs, placement=placement),
+                mailbox_size=module.mailbox_size)), module)
+        lane = lanes["llamacpp"]  # the text lane: what routes without a lane of their own serve
         requests = RequestsClient(await root.start(partial(supervise, RequestRegistry, mailbox_size=4096)))
         sessions = SessionsClient(await root.start(partial(
             supervise, lambda: SessionSupervisor(config.realtime_sessions_per_key), mailbox_size=1024)))

@@ -1,4 +1,6 @@
-"""The lanes Blazar serves, by kind. Adding a lane is one module (see lanes/base.py) and one line here."""
+"""The lanes Blazar serves, by kind. Adding a lane is one module (see lanes/base.py) and one line here: the
+composition root starts one supervisor per entry (with the settings its module gives), and `GET /v1/models`
+lists every entry's installed models."""
 
 from __future__ import annotations
 
@@ -12,8 +14,3 @@ LANES: dict[str, Lane] = {
     "whisper": WhisperLane(),
     "piper": PiperLane(),
 }
-
-
-def lane_for(manifest: object) -> Lane:
-    """The lane that serves an installed model (every GGUF is llama.cpp's today)."""
-    return LANES["llamacpp"]

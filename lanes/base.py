@@ -83,6 +83,14 @@ class Lane(Protocol[PlanT]):
     generation_paths: frozenset[str]  # answers on these carry token usage
     max_choices: int  # the most `n` choices the engine serves per request
     charge: str  # against a key's limits: "tokens" (the engine's counts) or "requests" (one per request)
+    mailbox_size: int  # its lane supervisor's mailbox (a busier lane gets a deeper one)
+
+    def settings(self, config: Any) -> Any:
+        """The config this lane's supervisor runs with (the composition root asks every lane in LANES)."""
+
+    def list_models(self, paths: Any) -> list[dict[str, Any]]:
+        """Blocking: the installed models this lane serves, as `GET /v1/models` rows (`id`, `object`,
+        `owned_by`, `lane`, `engine`, `capabilities`, and what else the lane knows)."""
 
     def normalize_spawn_options(self, options: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         """A request's spawn options (Ollama `options` that shape the child) as the engine acts on them;

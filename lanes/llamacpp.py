@@ -264,6 +264,18 @@ class LlamaCppLane:
     health_path = HEALTH_PATH
     generation_paths = GENERATION_PATHS
     max_choices = MAX_CHOICES
+    mailbox_size = 1024
+
+    def settings(self, config: Config) -> Config:
+        return config  # the text lane is what the top-level keys (keep_alive, models.<name>) describe
+
+    def list_models(self, paths: Paths) -> list[dict[str, Any]]:
+        engine = Roster(paths).active()
+        return [{"id": manifest.name, "object": "model", "created": int(manifest.created_at), "owned_by": "blazar",
+                 "engine": engine.tag if engine else None, "lane": self.kind,
+                 "capabilities": self.capabilities(manifest), "size": manifest.size, "quantization": manifest.quant,
+                 "context_length": manifest.info.get("context_length")}
+                for manifest in Store(paths).all()]
 
     def normalize_spawn_options(self, options: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         return normalize_spawn_options(options)

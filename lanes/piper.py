@@ -37,5 +37,10 @@ class PiperLane(SpeechLane):
         return [str(plan.binary), "-m", "lanes.engines.piper_server", "--voice", str(plan.model_path),
                 "--port", str(port)]
 
+    def list_models(self, paths: Any) -> list[dict[str, Any]]:
+        engine = f"piper-{package_version('piper-tts')}"
+        return [{"id": voice, "object": "model", "owned_by": "blazar", "lane": self.kind, "engine": engine,
+                 "capabilities": ["speech"]} for voice in audio_models.installed_voices(paths)]
+
     def capabilities(self, manifest: Any) -> list[str]:
         return ["speech"]

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from .base import PlanRefused, Usage
 
 HEALTH_PATH = "/health"
@@ -42,6 +44,11 @@ class SpeechLane:
     generation_paths: frozenset[str] = frozenset()
     max_choices = 1
     charge = "requests"
+    mailbox_size = 256
+
+    def settings(self, config: Any) -> Any:
+        """Speech children idle out on their own clock (`audio_idle_secs`) and have no per-model settings."""
+        return msgspec.structs.replace(config, keep_alive=config.audio_idle_secs, models={})
 
     def normalize_spawn_options(self, options: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
         if options:

@@ -39,5 +39,11 @@ class WhisperLane(SpeechLane):
         return [str(plan.binary), "-m", "lanes.engines.whisper_server", "--model", str(plan.model_path),
                 "--port", str(port), "--threads", str(plan.threads or 0)]
 
+    def list_models(self, paths: Any) -> list[dict[str, Any]]:
+        engine = f"faster-whisper-{package_version('faster-whisper')}"
+        return [{"id": f"whisper:{name}", "object": "model", "owned_by": "blazar", "lane": self.kind, "engine": engine,
+                 "capabilities": self.capabilities(audio_models.CATALOG.get(name))}
+                for name in audio_models.installed_whisper(paths)]
+
     def capabilities(self, manifest: Any) -> list[str]:
         return ["transcription"] + (["translation"] if getattr(manifest, "language", "") == "multi" else [])

@@ -25,7 +25,7 @@ from dialects.edge import (
 from dialects.roles import Role, role
 from dialects.session import RequestSession, flight_key
 from dialects.wire import ChatStreamRewriter, RequestError, check_choices, require_model
-from lanes import lane_for
+from lanes import LANES
 from supervisors.instance import UpstreamCall
 
 from .translate import check_chat, check_metadata, structured_output_receipt
@@ -207,43 +207,14 @@ async def _count_tokens(model: str, template_body: dict[str, Any]) -> Response:
                     content_type="application/json")
 
 
-def speech_models(paths: Any) -> list[dict[str, Any]]:
-    """Installed whisper models and piper voices, as the speech lanes serve them (blocking: a worker thread)."""
-    from blazar import audio_models
-    from lanes import LANES
-    from lanes.speech import package_version
-
-    rows = []
-    for name in audio_models.installed_whisper(paths):
-        entry = audio_models.CATALOG.get(name)
-        rows.append({"id": f"whisper:{name}", "object": "model", "owned_by": "blazar", "lane": "whisper",
-                     "engine": f"faster-whisper-{package_version('faster-whisper')}",
-                     "capabilities": LANES["whisper"].capabilities(entry)})
-    for voice in audio_models.installed_voices(paths):
-        rows.append({"id": voice, "object": "model", "owned_by": "blazar", "lane": "piper",
-                     "engine": f"piper-{package_version('piper-tts')}", "capabilities": ["speech"]})
-    return rows
-
-
 @blueprint.get("/v1/models")
 @role(Role.KEY)
 async def models():
     services = current_services()
-    from blazar.store import Store
 
     def listing() -> list[dict[str, Any]]:
-        from blazar.engines import Roster
-
-        engine = Roster(services.paths).active()
-        rows = []
-        for manifest in Store(services.paths).all():
-            lane = lane_for(manifest)
-            rows.append({"id": manifest.name, "object": "model", "created": int(manifest.created_at),
-                         "owned_by": "blazar", "engine": engine.tag if engine else None,
-                         "lane": lane.kind, "capabilities": lane.capabilities(manifest), "size": manifest.size,
-                         "quantization": manifest.quant, "context_length": manifest.info.get("context_length")})
-        rows += speech_models(services.paths)
-        return rows
+        """Every lane's installed models, as each lane module lists them (a worker thread: store reads)."""
+        return [row for lane in LANES.values() for row in lane.list_models(services.paths)]
 
     rows = await trio.to_thread.run_sync(listing)
     resident = {row["model"]: row["state"] for row in await residents(services)}
