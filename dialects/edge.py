@@ -11,6 +11,7 @@ import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -337,27 +338,50 @@ def remote_of(services: Services, model: str) -> tuple[str, str] | None:
     return (found[0].name, found[1]) if found is not None else None
 
 
-def require_local(services: Services, model: str, what: str) -> None:
-    """Refuse a local-only operation on a remote model or a failover alias, saying what to do instead."""
-    remote = remote_of(services, model)
-    if remote is not None:
-        raise Refusal(400, f"{what} acts on this gateway's own models; {model} is {remote[1]} on remote "
-                      f"{remote[0]}", hint=f'warm it there: POST /api/replicate {{"model": "{remote[1]}", '
-                      f'"peers": ["{remote[0]}"]}}')
+@dataclass(frozen=True)
+class Where:
+    """Where a request for a model goes, decided in one place (`where`) for the request path and for
+    `GET /api/route`: a failover chain's alias, a remote peer's model, or a model of this gateway."""
+
+    kind: str  # "failover" | "remote" | "local"
+    model: str  # as the client named it
+    chain: Any = None  # the [[failover]] entry, for "failover"
+    peer: str = ""  # the [[remotes]] name, for "remote"
+    name: str = ""  # the model's name where it is served (the peer's name for it, or the local name)
+
+
+def where(services: Services, model: str) -> Where:
+    """A failover alias first (its targets may be remote or local), then `peer:model` for a configured peer,
+    else a local model (installed or not: the lane answers that)."""
     chain = services.failover.chain_for(model) if services.failover is not None else None
     if chain is not None:
-        raise Refusal(400, f"{model} is the alias of failover chain {chain.name}; {what} takes one of its "
-                      f"targets", hint=f"GET /api/failover/{chain.name} lists them")
+        return Where(kind="failover", model=model, chain=chain)
+    remote = remote_of(services, model)
+    if remote is not None:
+        return Where(kind="remote", model=model, peer=remote[0], name=remote[1])
+    return Where(kind="local", model=model, name=model)
 
 
-def _fabric_target(services: Services, model: str, lane_kind: str) -> tuple[Any, tuple[str, str] | None]:
-    chain: Any = services.failover.chain_for(model) if services.failover is not None else None  # a [[failover]] entry
-    remote = remote_of(services, model) if chain is None else None
-    if (chain is not None or remote is not None) and lane_kind != "llamacpp":
-        what = f"model on remote {remote[0]}" if remote is not None else f"failover alias of chain {chain.name}"
+def require_local(services: Services, model: str, what: str) -> None:
+    """Refuse a local-only operation on a remote model or a failover alias, saying what to do instead."""
+    target = where(services, model)
+    if target.kind == "remote":
+        raise Refusal(400, f"{what} acts on this gateway's own models; {model} is {target.name} on remote "
+                      f"{target.peer}", hint=f'warm it there: POST /api/replicate {{"model": "{target.name}", '
+                      f'"peers": ["{target.peer}"]}}')
+    if target.kind == "failover":
+        raise Refusal(400, f"{model} is the alias of failover chain {target.chain.name}; {what} takes one of its "
+                      f"targets", hint=f"GET /api/failover/{target.chain.name} lists them")
+
+
+def _fabric_target(services: Services, model: str, lane_kind: str) -> Where:
+    target = where(services, model)
+    if target.kind != "local" and lane_kind != "llamacpp":
+        what = f"model on remote {target.peer}" if target.kind == "remote" else \
+            f"failover alias of chain {target.chain.name}"
         raise Refusal(400, f"{model} is a {what}; {lane_kind} requests are served by local models only",
                       hint="name a local model (GET /v1/models lists them)")
-    return chain, remote
+    return target
 
 
 async def forward(services: Services, model: str, upstream: UpstreamCall, headers: Any,
@@ -366,20 +390,20 @@ async def forward(services: Services, model: str, upstream: UpstreamCall, header
                   lane_kind: str = "llamacpp") -> UpstreamReply | UpstreamStream:
     """Admit, then serve from where `model` lives: a failover chain's alias, a remote peer's `peer:model`,
     or a local model (ensure, submit). Raises Refusal."""
-    chain, remote = _fabric_target(services, model, lane_kind)
+    target = _fabric_target(services, model, lane_kind)
     client = services.lane_clients()[lane_kind]
     lane = client.lane
-    if choices > lane.max_choices and chain is None and remote is None:  # refused before anything loads
+    if choices > lane.max_choices and target.kind == "local":  # refused before anything loads
         try:
             check_choices({"n": choices}, lane=lane.kind, ceiling=lane.max_choices)
         except RequestError as error:
             raise Refusal(400, error.message) from None
     on_usage = await admit_request(services, model, getattr(lane, "charge", "tokens"))
-    if chain is not None:
-        return await _forward_chain(services, chain, upstream, headers, on_usage, keep_alive=keep_alive,
+    if target.kind == "failover":
+        return await _forward_chain(services, target.chain, upstream, headers, on_usage, keep_alive=keep_alive,
                                     num_ctx=num_ctx, spawn_options=spawn_options)
-    if remote is not None:
-        return await _forward_remote(services, remote[0], remote[1], upstream, headers, on_usage)
+    if target.kind == "remote":
+        return await _forward_remote(services, target.peer, target.name, upstream, headers, on_usage)
     return await _forward_local(services, client, model, upstream, headers, on_usage, keep_alive=keep_alive,
                                 num_ctx=num_ctx, spawn_options=spawn_options)
 

@@ -22,10 +22,10 @@ from dialects.edge import (
     json_body,
     json_response,
     refuse,
-    remote_of,
     require_local,
     residents,
     submit,
+    where,
 )
 from dialects.roles import Role, role
 from dialects.wire import RequestError, require_model
@@ -147,8 +147,9 @@ async def route(model: str):
     peers = await services.remotes.describe_all() if services.remotes is not None else []
     rows = await residents(services)
     card: dict[str, Any] = {"model": model, "peers": [_peer_line(p, None) for p in peers]}
-    chain = services.failover.chain_for(model) if services.failover is not None else None
-    if chain is not None:
+    target = where(services, model)  # the same decision the request path makes
+    if target.kind == "failover":
+        chain = target.chain
         assert services.failover is not None  # the chain came from it
         state = await services.failover.show(chain.name)
         plan = await services.failover.plan(chain.name)
@@ -160,11 +161,10 @@ async def route(model: str):
         card["reason"] = (f"alias of failover chain {chain.name}: target {first} ({chain.targets[first]}) "
                           f"{'is pinned' if plan['pinned'] else 'is the first healthy one'}; " + card["reason"])
         return json_response(card)
-    remote = remote_of(services, model)
-    if remote is not None:
+    if target.kind == "remote":
         card["kind"] = "remote"
-        card["peers"] = [_peer_line(p, remote[1]) for p in peers]
-        card.update(_decision(services, "remote", remote[0], remote[1], rows, peers))
+        card["peers"] = [_peer_line(p, target.name) for p in peers]
+        card.update(_decision(services, "remote", target.peer, target.name, rows, peers))
         return json_response(card)
     card["kind"] = "local"
     card["peers"] = [_peer_line(p, model) for p in peers]
