@@ -44,7 +44,9 @@ class Gateway:
     shutdown: trio.Event
 
     def client(self, **kwargs) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.url, **{"timeout": 10, **kwargs})
+        # No short read timeout of its own: a first request loads an engine, which takes seconds more on a busy
+        # machine. Each test bounds its I/O with trio.fail_after, which is the limit that means something.
+        return httpx.AsyncClient(base_url=self.url, **{"timeout": 120, **kwargs})
 
 
 async def start_gateway(nursery: trio.Nursery, paths: Paths, *, clock=time.time, environ: dict[str, str] | None = None,
