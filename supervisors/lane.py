@@ -2,11 +2,13 @@
 spawned or evicted. The text lane is this supervisor with the llama.cpp lane.
 
 States per model key: absent -> planning -> resident (an Instance actor, whatever its own state) -> absent.
-A model whose children crashed `CRASH_BUDGET` times in `CRASH_WINDOW_SECS` has its breaker open:
+A model whose children crashed `CRASH_BUDGET` times in `CRASH_WINDOW_SECS` has its breaker open (one
+`supervisors.breaker.Breaker` per model, this loop's state; the trip rule is the lane's):
 
     closed --3 crashes in 5 min--> open --cool-down passed, a request arrives--> half_open (that request
     is the probe) --a clean answer--> closed;  half_open --the probe's child fails--> open, cool-down doubled
-    (up to 15 min);  any --Reset--> closed
+    (up to 15 min);  half_open --the probe stops without either--> open (the next request probes);
+    any --Reset--> closed
 
 - `Ensure` makes a model resident (fast path: already resident, no I/O) and returns a `Handle`.
   Anything slower (store reads, `--help`, meminfo) runs as a planning task off this loop, which reports
@@ -30,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,7 @@ from blazar.sysinfo import meminfo
 from lanes.base import Lane, PlanRefused
 
 from .actor import ActorError, ActorUnavailable, Envelope, Err, MessageLoop, Ok, Reply, answer, call, tell
+from .breaker import Breaker, Verdict
 from .instance import Describe, Instance, InstanceEvent, State, Stop, next_serial
 from .placement import EvictForRoom, PlacementClient
 
@@ -100,6 +102,7 @@ class Resident:
     snapshot: dict[str, Any]
     state: str = State.STARTING
     last_used: float = 0.0
+    probe: int | None = None  # its breaker's ticket when this child is the breaker's probe
 
 
 @dataclass(frozen=True)
@@ -108,22 +111,6 @@ class Handle:
     mailbox: trio.MemorySendChannel
     plan: Any
     lane: Lane
-
-
-@dataclass
-class Breaker:
-    """One model's crash breaker (see the module docstring)."""
-
-    reason: str
-    opened_at: float
-    cool_down: float
-    probe_serial: int | None = None  # the instance that is the probe, while half-open
-
-    def state(self) -> str:
-        return "half_open" if self.probe_serial is not None else "open"
-
-    def probe_at(self) -> float:
-        return self.opened_at + self.cool_down
 
 
 @dataclass
@@ -151,7 +138,7 @@ class LaneSupervisor(MessageLoop):
         self.residents: dict[str, Resident] = {}
         self.draining: dict[int, Resident] = {}  # by instance serial: replaced but still finishing
         self.crashes: dict[str, deque[float]] = {}
-        self.breakers: dict[str, Breaker] = {}
+        self.breakers: dict[str, Breaker] = {}  # every model that ever tripped; the closed ones are healed
         self.planning: dict[tuple[Any, ...], _Pending] = {}
         self.mailbox: trio.MemorySendChannel  # set by supervise() before run()
         self.aliases: dict[str, str] = {}  # what clients call a model -> its store name (fast path)
@@ -181,9 +168,9 @@ class LaneSupervisor(MessageLoop):
                 self._evict_for_room(serial, for_model)
                 return None
             case Reset(model=model):
-                cleared = [k for k in list(self.breakers) if model in (None, k)]
+                cleared = [k for k, b in self.breakers.items() if b.state != "closed" and model in (None, k)]
                 for key in cleared:
-                    self.breakers.pop(key, None)
+                    self.breakers[key].reset()
                     self.crashes.pop(key, None)
                 return Ok(cleared)
         return Err("unknown_op", f"{self.name} does not understand {type(message).__name__}")
@@ -273,20 +260,27 @@ class LaneSupervisor(MessageLoop):
         if previous is not None and self._fits(previous, num_ctx, spawn_options):
             return Ok(self._handle_of(previous)), False  # an earlier waiter on the same plan started it
         breaker = self.breakers.get(key)
-        now = trio.current_time()
-        if breaker is not None and (breaker.probe_serial is not None or now < breaker.probe_at()):
-            wait = max(0.0, breaker.probe_at() - now)
-            when = "a probe is running now" if breaker.probe_serial is not None else \
-                    f"the next request after {wait:.0f}s starts it once more as a probe"
+        admission = breaker.admit(trio.current_time()) if breaker is not None else None
+        if breaker is not None and admission is not None and admission.refused:
+            when = "a probe is running now" if admission.verdict is Verdict.PROBING else \
+                    f"the next request after {admission.wait:.0f}s starts it once more as a probe"
             return Err("engine_breaker_open", f"{breaker.reason}\n(breaker open: {when})",
                        hint="wait for the probe, or clear it now: blazar ps --reset", status=502,
-                       retry_after=max(1.0, wait)), False
+                       retry_after=max(1.0, admission.wait)), False
+        probe = admission.ticket if admission is not None else None
+        reply, started = self._spawn(plan, previous, probe, available, room)
+        if breaker is not None and probe is not None and not started:
+            breaker.ended(trio.current_time())  # refused for room or memory: no probe ran, the next request probes
+        return reply, started
+
+    def _spawn(self, plan: Any, previous: Resident | None, probe: int | None, available: int | None,
+               room: tuple[int, list[trio.Event]] | None) -> tuple[Reply, bool]:
         if previous is not None:
             # A context or spawn option change (restart once) or a child on its way out: it drains, the
             # new one waits for it.
             tell(previous.mailbox, Stop(reason=f"restarting with context {plan.context}"))
-            self.draining[previous.serial] = self.residents.pop(key)
-            return Ok(self._start(plan, [previous.gone], breaker, room)), True
+            self.draining[previous.serial] = self.residents.pop(plan.model)
+            return Ok(self._start(plan, [previous.gone], probe, room)), True
         gone = self._make_room(plan)
         if isinstance(gone, Err):
             return gone, False
@@ -295,7 +289,7 @@ class LaneSupervisor(MessageLoop):
             floor = self._memory_floor(plan, available)
             if floor is not None:
                 return floor, False
-        return Ok(self._start(plan, gone, breaker, room)), True
+        return Ok(self._start(plan, gone, probe, room)), True
 
     def _handle_of(self, resident: Resident) -> Handle:
         return Handle(resident.key, resident.mailbox, resident.plan, self.lane)
@@ -344,13 +338,14 @@ class LaneSupervisor(MessageLoop):
             gone.append(victim.gone)
         return gone
 
-    def _start(self, plan: Any, wait_for: list[trio.Event], breaker: Breaker | None,
+    def _start(self, plan: Any, wait_for: list[trio.Event], probe: int | None,
                room: tuple[int, list[trio.Event]] | None = None) -> Handle:
+        """Spawn a child for `plan`; `probe` is the breaker's ticket when it is the half-open breaker's probe."""
         settings = self.config.models.get(plan.model)
         keep_alive = parse_duration(settings.keep_alive if settings and settings.keep_alive is not None
                                     else self.config.keep_alive)
         recent = self._recent_crashes(plan.model)
-        delay = min(5.0, 0.5 * 2 ** (recent - 1)) if recent and breaker is None else 0.0
+        delay = min(5.0, 0.5 * 2 ** (recent - 1)) if recent and probe is None else 0.0
         serial = next_serial()
         gone = trio.Event()
         if room is not None:
@@ -364,10 +359,9 @@ class LaneSupervisor(MessageLoop):
         send, receive = trio.open_memory_channel[Envelope](256)
         self.nursery.start_soon(instance.run, receive, send)
         resident = Resident(key=plan.model, serial=serial, mailbox=send, plan=plan, gone=gone,
-                            snapshot=instance.describe(), last_used=trio.current_time())
+                            snapshot=instance.describe(), last_used=trio.current_time(), probe=probe)
         self.residents[plan.model] = resident
-        if breaker is not None:
-            breaker.probe_serial = serial
+        if probe is not None:
             log.info("breaker half-open for %s: this request is the probe", plan.model)
             self._record("breaker", plan.model, state="half_open")
         self._record("spawn", plan.model, engine=plan.engine_tag, context=plan.context, slots=plan.slots)
@@ -399,7 +393,7 @@ class LaneSupervisor(MessageLoop):
         now = trio.current_time()
         return {
             "residents": {r.key: (r.plan, dict(r.snapshot), r.mailbox) for r in self.residents.values()},
-            "breakers": {k: self._breaker_view(b, now) for k, b in self.breakers.items()},
+            "breakers": {k: b.view(now) for k, b in self.breakers.items() if b.state != "closed"},
         }
 
     async def _explain(self, message: Explain, facts: dict[str, Any]) -> None:
@@ -456,20 +450,18 @@ class LaneSupervisor(MessageLoop):
             else:
                 self.placement.seen(reservation, str(event.state), resident.last_used)
         breaker = self.breakers.get(event.key)
-        probing = breaker is not None and breaker.probe_serial == event.serial
+        probing = breaker is not None and breaker.is_probe(resident.probe)
         if event.crashed and not counted and event.state in (State.FAILED, State.STOPPED):
             # Counted when the instance fails, not when it is finally reaped: its 502 reaches the client
             # after this report, so the client's next request already sees the breaker.
             self._on_crash(event.key, event.detail, probe_failed=probing)
-        elif probing and event.snapshot.get("clean_answers", 0) > 0:
+        elif breaker is not None and probing and event.snapshot.get("clean_answers", 0) > 0:
             log.info("breaker closed for %s: the probe got a clean answer", event.key)
-            self.breakers.pop(event.key, None)
+            breaker.succeeded()
             self.crashes.pop(event.key, None)
             self._record("breaker", event.key, state="closed")
-        elif probing and event.state == State.STOPPED:
-            assert breaker is not None  # probing: its breaker is open
-            breaker.probe_serial = None  # the probe ended without an answer either way: the next request probes
-            breaker.opened_at = trio.current_time() - breaker.cool_down
+        elif breaker is not None and probing and event.state == State.STOPPED:
+            breaker.ended(trio.current_time())  # the probe ended without an answer either way: the next request probes
         if event.state == State.STOPPED:
             self.draining.pop(event.serial, None)
             if self.residents.get(event.key) is resident:
@@ -503,26 +495,17 @@ class LaneSupervisor(MessageLoop):
         self._record("crash", key, detail=detail[-2000:])
         breaker = self.breakers.get(key)
         if probe_failed and breaker is not None:
-            breaker.cool_down = min(BREAKER_MAX_COOLDOWN_SECS, breaker.cool_down * 2)
-            breaker.opened_at = now
-            breaker.probe_serial = None
-            breaker.reason = f"{key}'s engine failed again on the breaker's probe. Last failure:\n{detail[-1500:]}"
+            breaker.failed(now, f"{key}'s engine failed again on the breaker's probe. Last failure:\n{detail[-1500:]}")
             log.error("breaker re-opened for %s (cool-down %.0fs)", key, breaker.cool_down)
             self._record("breaker", key, state="open", cool_down_secs=breaker.cool_down)
-        elif breaker is None and self._recent_crashes(key) >= CRASH_BUDGET:
-            self.breakers[key] = Breaker(
-                reason=f"{key}'s engine failed {CRASH_BUDGET} times in {CRASH_WINDOW_SECS / 60:g} minutes; not "
-                f"starting it again until the cool-down passes. Last failure:\n{detail[-1500:]}",
-                opened_at=now, cool_down=max(0.0, self.config.breaker_cooldown_secs))
+        elif (breaker is None or breaker.state == "closed") and self._recent_crashes(key) >= CRASH_BUDGET:
+            if breaker is None:
+                breaker = self.breakers[key] = Breaker(max(0.0, self.config.breaker_cooldown_secs),
+                                                       max_cool_down=BREAKER_MAX_COOLDOWN_SECS)
+            breaker.open(now, f"{key}'s engine failed {CRASH_BUDGET} times in {CRASH_WINDOW_SECS / 60:g} minutes; "
+                         f"not starting it again until the cool-down passes. Last failure:\n{detail[-1500:]}")
             log.error("breaker open for %s", key)
             self._record("breaker", key, state="open", cool_down_secs=self.config.breaker_cooldown_secs)
-
-    @staticmethod
-    def _breaker_view(breaker: Breaker, now: float) -> dict[str, Any]:
-        return {"state": breaker.state(), "cool_down_secs": breaker.cool_down,
-                # rounded up: 0 only once a request really is the probe
-                "next_probe_in_secs": None if breaker.probe_serial is not None else
-                math.ceil(max(0.0, breaker.probe_at() - now) * 10) / 10}
 
     async def _ps(self, message: Ps, views: list[dict[str, Any]]) -> None:
         """The rows, with each instance's own live counters (queued, in flight) asked of it, concurrently;
@@ -559,14 +542,14 @@ class LaneSupervisor(MessageLoop):
             else:
                 view["idle_expires_in_secs"] = None
             breaker = self.breakers.get(resident.key)
-            if breaker is not None:
-                view["breaker"] = self._breaker_view(breaker, now)
+            if breaker is not None and breaker.state != "closed":
+                view["breaker"] = breaker.view(now)
             rows.append(view)
         listed = {row["model"] for row in rows}
         for key, breaker in self.breakers.items():
-            if key not in listed:
+            if key not in listed and breaker.state != "closed":
                 rows.append({"model": key, "state": "broken", "failure": breaker.reason, "lane": self.lane.kind,
-                             "breaker": self._breaker_view(breaker, now)})
+                             "breaker": breaker.view(now)})
         return rows
 
     def _record(self, kind: str, model: str, **detail: Any) -> None:
