@@ -8,6 +8,12 @@ Lifecycle of a peer (only the loop changes state):
              half_open: the next request is the one probe (others get 503 while it runs);
              --it answers--> closed;  --it fails--> open (cooldown doubles, ≤ 15 min)
 
+The breaker is a `supervisors.breaker.Breaker` (this loop's state); the trip rule, failures in a row, is the
+peer's. Its listing calls it half_open as soon as the cooldown has passed (the next request probes). Any
+request the peer answers closes it; only the probe's failure re-opens it (a late failure of a request sent
+before the breaker opened counts in a row but moves nothing), and a probe that never left (a route the peer
+does not serve) lets the next request probe.
+
 - A request (`RemoteSubmit`) runs as a task in this actor's nursery: it goes to the peer over a
   keep-alive pool with the key read from `key_env`, and the caller gets the whole answer or a bounded
   channel of chunks, exactly as from a local instance, so every dialect relays it the same way.
@@ -36,6 +42,7 @@ from lanes import remote as lane
 from lanes.child import TRANSPORT_ERRORS, header
 
 from .actor import Envelope, Err, MessageLoop, Ok, Reply, answer, call
+from .breaker import Breaker, Verdict
 from .instance import (
     StreamChunk,
     StreamFailure,
@@ -82,6 +89,7 @@ class _Outcome(Envelope, frozen=True, kw_only=True, tag="outcome"):
     ok: bool
     error: str = ""
     probe: bool = False  # a health probe, not a request: it moves reach, never the breaker
+    breaker_probe: int | None = None  # the breaker's ticket when this request was its half-open probe
 
 
 class _Probed(Envelope, frozen=True, kw_only=True, tag="probed"):
@@ -96,7 +104,6 @@ class RemotePeer(MessageLoop):
         self.name = f"remote:{entry.name}"
         self.base = entry.url.rstrip("/")
         self.shown_url = redacted_url(entry.url)  # what answers and errors show: no user:pass@
-        self.cooldown_secs = max(1.0, cooldown_secs)
         self.key = (environ if environ is not None else os.environ).get(entry.key_env, "") if entry.key_env else ""
         self.reach = "unknown"
         self.last_error = ""
@@ -105,10 +112,7 @@ class RemotePeer(MessageLoop):
         self.capacity: dict[str, Any] | None = None
         self.capacity_at: float | None = None
         self.failures = 0
-        self.breaker = "closed"
-        self.open_until = 0.0
-        self.opened = 0  # consecutive openings: the cooldown doubles with each
-        self.probing_request = False  # half_open: the one request that probes the peer is on its way
+        self.breaker = Breaker(max(1.0, cooldown_secs), max_cool_down=BREAKER_MAX_SECS)
         self.in_flight = 0
         self.served = 0
         self.pool: httpcore.AsyncConnectionPool | None = None
@@ -151,29 +155,24 @@ class RemotePeer(MessageLoop):
                        "which is not set in the gateway's environment", status=503,
                        hint=f"export {self.entry.key_env}=<the peer's key> and restart blazar serve")
         now = trio.current_time()
-        self._tick(now)
-        if self.breaker == "open":
-            wait = self.open_until - now
+        admission = self.breaker.admit(now)
+        if admission.verdict is Verdict.COOLING:
+            wait = admission.wait
             return Err("remote_breaker_open", f"remote {self.entry.name}'s breaker is open after {self.failures} "
                        f"failures in a row (last: {self.last_error}); the next request after {wait:.0f}s probes it",
                        status=503, hint="wait, or see GET /api/route/<model>", retry_after=max(1.0, wait))
-        if self.breaker == "half_open":
-            if self.probing_request:
-                return Err("remote_breaker_open", f"remote {self.entry.name} is being probed after failing "
-                           f"(last: {self.last_error})", status=503, hint="retry in a moment", retry_after=1.0)
-            self.probing_request = True  # this request is the probe
+        if admission.verdict is Verdict.PROBING:
+            return Err("remote_breaker_open", f"remote {self.entry.name} is being probed after failing "
+                       f"(last: {self.last_error})", status=503, hint="retry in a moment", retry_after=1.0)
         try:
             path = lane.peer_path(self.entry.kind, message.call.path)
         except lane.NotServed as error:
+            self.breaker.ended(now)  # if this was to be the probe, it never left: the next request probes
             return Err("remote_route_unserved", f"remote {self.entry.name}: {error}", status=400,
                        hint="address this route to a local model or a Blazar peer")
         self.in_flight += 1
-        self.nursery.start_soon(self._relay, message, path)
+        self.nursery.start_soon(self._relay, message, path, admission.ticket)
         return None
-
-    def _tick(self, now: float) -> None:
-        if self.breaker == "open" and now >= self.open_until:
-            self.breaker, self.probing_request = "half_open", False
 
     def _outcome(self, message: _Outcome) -> None:
         now = trio.current_time()
@@ -183,18 +182,19 @@ class RemotePeer(MessageLoop):
             self.reach, self.last_ok_at = "reachable", time.time()
             if not message.probe:
                 self.served += 1
-                self.failures, self.opened = 0, 0
-                self.breaker, self.probing_request = "closed", False
+                self.failures = 0
+                self.breaker.succeeded()
             return
         self.last_error, self.last_error_at = message.error, time.time()
         if message.probe:
             self.reach = "unreachable"
             return
         self.failures += 1
-        if self.breaker == "half_open" or self.failures >= BREAKER_FAILURES:
-            self.opened += 1
-            self.breaker, self.probing_request = "open", False
-            self.open_until = now + min(BREAKER_MAX_SECS, self.cooldown_secs * 2 ** (self.opened - 1))
+        if self.breaker.is_probe(message.breaker_probe):
+            self.breaker.failed(now, message.error)
+            log.warning("remote %s: breaker open (%s)", self.entry.name, message.error)
+        elif self.breaker.state == "closed" and self.failures >= BREAKER_FAILURES:
+            self.breaker.open(now, message.error)
             log.warning("remote %s: breaker open (%s)", self.entry.name, message.error)
 
     def _probed(self, message: _Probed) -> None:
@@ -208,16 +208,18 @@ class RemotePeer(MessageLoop):
 
     def describe(self) -> dict[str, Any]:
         now = trio.current_time()
-        self._tick(now)
+        wait = self.breaker.wait(now)
+        # Listed half-open as soon as the cooldown has passed: the next request is the probe.
+        state = "half_open" if self.breaker.state == "open" and wait == 0 else self.breaker.state
         row: dict[str, Any] = {
             "name": self.entry.name, "url": self.shown_url, "kind": self.entry.kind, "reach": self.reach,
-            "breaker": self.breaker, "failures_in_a_row": self.failures, "in_flight": self.in_flight,
+            "breaker": state, "failures_in_a_row": self.failures, "in_flight": self.in_flight,
             "served": self.served, "last_error": self.last_error or None, "last_error_at": self.last_error_at,
             "last_ok_at": self.last_ok_at,
             "key": f"${self.entry.key_env} ({'set' if self.key else 'NOT SET'})" if self.entry.key_env else None,
         }
-        if self.breaker == "open":
-            row["breaker_probe_in_secs"] = round(max(0.0, self.open_until - now), 1)
+        if state == "open":
+            row["breaker_probe_in_secs"] = round(wait, 1)
         if self.entry.kind == "blazar":
             row["capacity"] = None if self.capacity is None else {
                 **self.capacity, "age_secs": round(time.time() - (self.capacity_at or time.time()), 1)}
@@ -243,16 +245,16 @@ class RemotePeer(MessageLoop):
             "timed out" if isinstance(error, httpcore.TimeoutException) else "broke the connection"
         return f"remote {self.entry.name} ({self.shown_url}) {what}: {type(error).__name__}: {error}".rstrip(": ")
 
-    async def _report(self, ok: bool, error: str = "") -> None:
+    async def _report(self, ok: bool, error: str = "", breaker_probe: int | None = None) -> None:
         with trio.CancelScope(shield=True), contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await self.mailbox.send(_Outcome(ok=ok, error=error))
+            await self.mailbox.send(_Outcome(ok=ok, error=error, breaker_probe=breaker_probe))
 
-    async def _relay(self, message: RemoteSubmit, path: str) -> None:
+    async def _relay(self, message: RemoteSubmit, path: str, breaker_probe: int | None) -> None:
         ok, error = True, ""
         try:
             ok, error = await self._relay_once(message, path)
         finally:
-            await self._report(ok, error)
+            await self._report(ok, error, breaker_probe)
 
     async def _relay_once(self, message: RemoteSubmit, path: str) -> tuple[bool, str]:
         assert self.pool is not None

@@ -1,11 +1,17 @@
 """The one breaker (supervisors/breaker.py), on its own: every transition of its state machine with plain
-floats for `now`. No actor, no I/O."""
+floats for `now`. Then the remote peer's use of it, its loop's handlers called directly on trio's clock (no
+actor, no I/O). The lane's use and the peer's over the network are proven by test_lane_faults,
+test_engine_crashes and test_remotes."""
 
 from __future__ import annotations
 
 import pytest
+import trio
 
+from blazar.config import RemoteEntry
 from supervisors.breaker import Admission, Breaker, Verdict
+from supervisors.instance import UpstreamCall
+from supervisors.remotes import RemotePeer, RemoteSubmit, _Outcome
 
 
 def tripped(now: float = 100.0, cool_down: float = 60.0, max_cool_down: float = 900.0) -> Breaker:
@@ -172,3 +178,73 @@ def test_a_zero_cool_down_lets_the_very_next_request_probe():
     probing(breaker, 5.0)
     assert breaker.failed(5.0) and breaker.cool_down == 0.0  # doubling nothing stays nothing
     probing(breaker, 5.0)
+
+
+# ------------------------------------------------------------ the remote peer's breaker
+
+
+def peer(cooldown_secs: float = 10.0) -> RemotePeer:
+    return RemotePeer(RemoteEntry(name="attic", url="http://127.0.0.1:9", kind="ollama"), cooldown_secs=cooldown_secs)
+
+
+def submit(remote: RemotePeer, path: str = "/v1/chat/completions"):
+    return remote._submit(RemoteSubmit(call=UpstreamCall(path=path, body=b"{}"), model="m"))
+
+
+def fail(remote: RemotePeer, breaker_probe: int | None = None) -> None:
+    remote._outcome(_Outcome(ok=False, error="attic did not accept a connection", breaker_probe=breaker_probe))
+
+
+async def test_a_peer_breaker_opens_after_three_failures_in_a_row_and_a_late_failure_does_not_stretch_it(
+        autojump_clock):
+    remote = peer()
+    fail(remote)
+    fail(remote)
+    remote._outcome(_Outcome(ok=True))  # an answer: the count starts over
+    assert remote.failures == 0 and remote.describe()["breaker"] == "closed"
+    for _ in range(3):
+        fail(remote)
+    row = remote.describe()
+    assert row["breaker"] == "open" and row["breaker_probe_in_secs"] == 10.0 and row["failures_in_a_row"] == 3
+    refused = submit(remote)
+    assert refused.code == "remote_breaker_open" and refused.status == 503 and refused.retry_after == 10.0
+    assert "after 3 failures in a row" in refused.message and "the next request after 10s probes it" in refused.message
+    await trio.sleep(4)
+    fail(remote)  # a request sent before it opened fails late: counted, but the cool-down stays as it was
+    row = remote.describe()
+    assert row["failures_in_a_row"] == 4 and row["breaker"] == "open" and row["breaker_probe_in_secs"] == 6.0
+
+
+async def test_a_peer_probe_on_a_route_the_peer_does_not_serve_lets_the_next_request_probe(autojump_clock):
+    remote = peer()
+    for _ in range(3):
+        fail(remote)
+    await trio.sleep(10)
+    assert remote.describe()["breaker"] == "half_open"  # listed half-open: the next request probes
+    for _ in range(2):  # it never left: not "being probed" for ever after
+        unserved = submit(remote, "/completion")
+        assert unserved.code == "remote_route_unserved" and unserved.status == 400
+    assert remote.describe()["breaker"] == "half_open"
+    assert remote.breaker.admit(trio.current_time()).verdict is Verdict.PROBE
+
+
+async def test_only_the_peer_probes_failure_doubles_the_cooldown_and_an_answer_closes_it(autojump_clock):
+    remote = peer()
+    for _ in range(3):
+        fail(remote)
+    await trio.sleep(10)
+    ticket = remote.breaker.admit(trio.current_time()).ticket  # what _submit hands the probe's relay
+    refused = submit(remote)
+    assert refused.code == "remote_breaker_open" and "is being probed after failing" in refused.message
+    assert refused.retry_after == 1.0 and remote.describe()["breaker"] == "half_open"
+    fail(remote)  # not the probe: the probe still runs
+    assert remote.breaker.is_probe(ticket) and remote.failures == 4
+    fail(remote, breaker_probe=ticket)
+    row = remote.describe()
+    assert row["breaker"] == "open" and row["breaker_probe_in_secs"] == 20.0  # doubled
+    await trio.sleep(20)
+    ticket = remote.breaker.admit(trio.current_time()).ticket
+    remote._outcome(_Outcome(ok=True, breaker_probe=ticket))
+    row = remote.describe()
+    assert row["breaker"] == "closed" and row["failures_in_a_row"] == 0 and "breaker_probe_in_secs" not in row
+    assert remote.breaker.cool_down == 10.0  # starts over
