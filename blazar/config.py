@@ -25,6 +25,7 @@ import tomlkit
 import tomlkit.exceptions
 from tomlkit.items import AoT, Table
 
+from blazar.errors import TeachingError
 from blazar.fabric_config import ConfigProblem, check_fabric
 
 DEFAULT_PORT = 11434
@@ -184,13 +185,11 @@ KEY_DOCS: dict[str, str] = {
 ENV_PREFIX = "BLAZAR_"
 
 
-class ConfigError(Exception):
+class ConfigError(TeachingError):
     """A config problem explained for the person who has to fix it."""
 
     def __init__(self, message: str, *, fix: str = "") -> None:
-        super().__init__(message)
-        self.message = message
-        self.fix = fix
+        super().__init__(message, fix)
 
     def __str__(self) -> str:
         return f"{self.message}\n  fix: {self.fix}" if self.fix else self.message

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from blazar.errors import TeachingError
 from blazar.paths import Paths
 
 
@@ -43,11 +44,8 @@ class RosterFile(msgspec.Struct, kw_only=True):
     engines: dict[str, EngineEntry] = {}
 
 
-class EngineError(Exception):
-    def __init__(self, message: str, fix: str = "") -> None:
-        super().__init__(message)
-        self.message = message
-        self.fix = fix
+class EngineError(TeachingError):
+    """An engine that is missing, broken or cannot be built."""
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

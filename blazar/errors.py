@@ -1,4 +1,4 @@
-"""Error bodies in each dialect's own shape, and which dialect a path belongs to."""
+"""The one teaching-error type, error bodies in each dialect's own shape, and which dialect a path belongs to."""
 
 from __future__ import annotations
 
@@ -7,6 +7,18 @@ from typing import Any
 import msgspec
 
 OPENAI, OLLAMA, ANTHROPIC, NATIVE = "openai", "ollama", "anthropic", "native"
+
+
+class TeachingError(Exception):
+    """What went wrong (`message`), the one field for what to do about it (`fix`), and the HTTP status a route
+    answers with. Every refusal Blazar raises is one (a route's Refusal, a lane's PlanRefused, the store's,
+    the config's, a key change's, a job's failure), so one renderer (dialects.edge.refuse) shows them all."""
+
+    def __init__(self, message: str, fix: str = "", status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fix = fix
+        self.status = status
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                  404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",

@@ -11,6 +11,8 @@ import re
 from typing import Any
 from urllib.parse import urlsplit
 
+from blazar.errors import TeachingError
+
 PEER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 RESERVED_PEER_NAMES = ("local", "remote", "whisper")  # failover target prefixes; the whisper lane's
 HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
@@ -39,11 +41,8 @@ def redacted_remotes(value: Any) -> Any:
     return value
 
 
-class ConfigProblem(Exception):
-    def __init__(self, message: str, fix: str) -> None:
-        super().__init__(message)
-        self.message = message
-        self.fix = fix
+class ConfigProblem(TeachingError):
+    """A [[remotes]] / [[failover]] / rpc entry that cannot work, and how to write it."""
 
 
 def remote_target(remotes: list[Any], model: str) -> tuple[Any, str] | None:

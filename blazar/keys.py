@@ -36,6 +36,8 @@ from typing import Any
 import tomlkit
 from tomlkit.items import AoT
 
+from blazar.errors import TeachingError
+
 SECRET_PREFIX = "plm_"
 PREFIX_CHARS = 8
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -52,14 +54,11 @@ _SCRYPT = {"n": 2**14, "r": 8, "p": 1}
 _VERIFIED_CACHE = 1024
 
 
-class KeyChangeError(Exception):
+class KeyChangeError(TeachingError):
     """A refused key change, with the HTTP status the admin plane answers."""
 
     def __init__(self, status: int, message: str, fix: str = "") -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.fix = fix
+        super().__init__(message, fix, status)
 
 
 # ---------------------------------------------------------------- secrets and hashes

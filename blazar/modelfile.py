@@ -10,6 +10,8 @@ from typing import Any
 
 import msgspec
 
+from blazar.errors import TeachingError
+
 # Ollama PARAMETER -> (value type, llama-server flag). Flags are applied at spawn; sampling defaults
 # are sent with each request by the text lane.
 PARAMETERS: dict[str, tuple[type, str]] = {
@@ -45,11 +47,8 @@ class Modelfile(msgspec.Struct, kw_only=True):
     template: str | None = None
 
 
-class ModelfileError(Exception):
-    def __init__(self, message: str, fix: str = "") -> None:
-        super().__init__(message)
-        self.message = message
-        self.fix = fix
+class ModelfileError(TeachingError):
+    """A Modelfile line Blazar cannot act on."""
 
 
 _INSTRUCTION = re.compile(r"^\s*([A-Za-z]+)\s+(.*)$", re.DOTALL)

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from blazar.errors import TeachingError
 from blazar.paths import Paths
 
 QUANT_PATTERN = re.compile(
@@ -45,12 +46,8 @@ class ModelManifest(msgspec.Struct, kw_only=True, omit_defaults=True):
     created_at: float = 0.0
 
 
-class StoreError(Exception):
-    def __init__(self, message: str, fix: str = "", status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.fix = fix
-        self.status = status
+class StoreError(TeachingError):
+    """A store refusal (a model not installed, a name taken)."""
 
 
 def detect_quant(file_name: str) -> str | None:

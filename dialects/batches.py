@@ -73,7 +73,7 @@ async def _one(services: Services, ctx: JobContext, item: dict[str, Any], work: 
             if refusal.code == "all_slots_busy":
                 await trio.sleep(BUSY_PAUSE_SECS)  # it never reached the engine: wait for a slot, try again
                 continue
-            message = f"{refusal.message} (fix: {refusal.hint})" if refusal.hint else refusal.message
+            message = f"{refusal.message} (fix: {refusal.fix})" if refusal.fix else refusal.message
             return "errored", {"status": refusal.status, "code": refusal.code or "request_failed", "message": message}
         except RequestError as error:
             return "errored", {"status": 400, "code": "invalid_request", "message": error.message}

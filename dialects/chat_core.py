@@ -111,7 +111,7 @@ def tool_call_payload(payload: dict[str, Any]) -> dict[str, Any]:
         spent = (payload.get("usage") or {}).get("completion_tokens")
         raise Refusal(400, f"the forced tool call was cut off by the request's token limit after {spent} tokens, "
                       f"in the middle of its arguments: {text[-120:]!r}",
-                      hint="raise max_tokens (or max_completion_tokens) so the whole call fits; a call with a "
+                      fix="raise max_tokens (or max_completion_tokens) so the whole call fits; a call with a "
                            "few short arguments needs about 64", code="tool_call_truncated")
     try:
         decided = msgspec.json.decode(text)

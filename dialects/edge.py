@@ -19,7 +19,7 @@ import trio
 from quart import Response
 
 from blazar.admission import HeaderError, schedule
-from blazar.errors import error_bytes
+from blazar.errors import TeachingError, error_bytes
 from blazar.fabric_config import parse_failover_target, remote_target
 from dialects.current import blazar_scope, key_record
 from dialects.wire import RequestError, check_choices, decode_object
@@ -42,40 +42,37 @@ from supervisors.services import Services
 REQUEST_CALL_LIMIT_SECS = 3600.0  # the longest a single generation may take end to end
 
 
-class Refusal(Exception):
-    """A teaching error to send as the dialect's error response."""
+class Refusal(TeachingError):
+    """A teaching error to send as the dialect's error response (with an error code and a Retry-After where
+    they apply). On the wire the fix is the message's "(fix: …)" and the body's `hint` field."""
 
-    def __init__(self, status: int, message: str, *, code: str | None = None, hint: str = "",
+    def __init__(self, status: int, message: str, *, code: str | None = None, fix: str = "",
                  retry_after: float = 0.0) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
+        super().__init__(message, fix, status)
         self.code = code
-        self.hint = hint
         self.retry_after = retry_after
 
     @classmethod
     def from_err(cls, err: Err) -> Refusal:
-        return cls(err.status, err.message, code=err.code, hint=err.hint, retry_after=err.retry_after)
+        return cls(err.status, err.message, code=err.code, fix=err.fix, retry_after=err.retry_after)
 
     def headers(self) -> dict[str, str]:
         return {"retry-after": str(math.ceil(self.retry_after))} if self.retry_after else {}
 
     def response(self, path: str) -> Response:
-        message = f"{self.message} (fix: {self.hint})" if self.hint else self.message
-        extra = {"hint": self.hint} if self.hint else {}
+        message = f"{self.message} (fix: {self.fix})" if self.fix else self.message
+        extra = {"hint": self.fix} if self.fix else {}
         return Response(error_bytes(path, self.status, message, **extra), status=self.status,
                         content_type="application/json", headers=self.headers())
 
 
-def refuse(error: Exception) -> Response:
-    """Any teaching refusal (Refusal, RequestError, StoreError) in the error shape of the current path's
-    dialect: one renderer for every route."""
+def refuse(error: TeachingError) -> Response:
+    """Any teaching error (a Refusal, the store's, a lane's, a request's decoding) in the error shape of the
+    current path's dialect: one renderer for every route."""
     from quart import request
 
     if not isinstance(error, Refusal):
-        error = Refusal(getattr(error, "status", 400), getattr(error, "message", str(error)),
-                        hint=getattr(error, "fix", ""))
+        error = Refusal(getattr(error, "status", 400), error.message, fix=getattr(error, "fix", ""))
     return error.response(request.path)
 
 
@@ -210,7 +207,7 @@ async def admit_request(services: Services, model: str, charge: str = "tokens") 
         except ActorError as error:
             raise Refusal.from_err(error.err) from None
         except ActorUnavailable as error:
-            raise Refusal(503, f"admission did not answer: {error}", hint="retry in a moment") from None
+            raise Refusal(503, f"admission did not answer: {error}", fix="retry in a moment") from None
     name = record.name
     return lambda tokens: admission.charge(name, tokens)
 
@@ -228,7 +225,7 @@ def num_ctx_header(headers: Any) -> int | None:
         return None
     if not raw.strip().isdigit() or int(raw) < 128:
         raise Refusal(400, f"X-Blazar-Num-Ctx must be a whole number of tokens ≥ 128, got {raw!r}",
-                      hint="e.g. X-Blazar-Num-Ctx: 8192")
+                      fix="e.g. X-Blazar-Num-Ctx: 8192")
     return int(raw)
 
 
@@ -238,7 +235,7 @@ RETRIED_CODES = ("model_unloading", "model_unloaded", "instance_failed")
 
 def _refused(services: Services, model: str, err: Err) -> Refusal:
     if err.status in (503, 507) and services.obs is not None:
-        services.obs.event("refused", model, status=err.status, code=err.code, message=err.message, fix=err.hint)
+        services.obs.event("refused", model, status=err.status, code=err.code, message=err.message, fix=err.fix)
     return Refusal.from_err(err)
 
 
@@ -258,7 +255,7 @@ async def ensure_model(services: Services, model: str, headers: Any, num_ctx: in
     except ActorError as error:
         raise _refused(services, model, error.err) from None
     except ActorUnavailable as error:
-        raise Refusal(503, f"the lane did not answer: {error}", hint="retry in a moment") from None
+        raise Refusal(503, f"the lane did not answer: {error}", fix="retry in a moment") from None
     _tag_model(handle.key)
     return handle
 
@@ -276,7 +273,7 @@ def _may_reshape_engines(spawn_options: dict[str, Any]) -> None:
     names = ", ".join(f"options.{name}" for name in sorted(spawn_options))
     raise Refusal(403, f"{names} would restart the engine that every key using this model shares; the key "
                   f"{record.name!r} may not reshape engines", code="spawn_options_refused",
-                  hint="drop those options (the model's configured shape serves), or have the gateway's owner "
+                  fix="drop those options (the model's configured shape serves), or have the gateway's owner "
                   "set spawn_options = true on this key's [[keys]] entry in config.toml")
 
 
@@ -313,7 +310,7 @@ async def submit(services: Services, handle: Handle, upstream: UpstreamCall, hea
         raise _refused(services, handle.key, error.err) from None
     except ActorStopped:
         raise Refusal(503, f"{handle.key} was unloaded before this request reached it", code="model_unloaded",
-                      hint="retry") from None
+                      fix="retry") from None
     except ActorUnavailable as error:
         raise Refusal(502, f"{handle.key}'s instance stopped answering: {error}") from None
     except BaseException:
@@ -367,11 +364,11 @@ def require_local(services: Services, model: str, what: str) -> None:
     target = where(services, model)
     if target.kind == "remote":
         raise Refusal(400, f"{what} acts on this gateway's own models; {model} is {target.name} on remote "
-                      f"{target.peer}", hint=f'warm it there: POST /api/replicate {{"model": "{target.name}", '
+                      f"{target.peer}", fix=f'warm it there: POST /api/replicate {{"model": "{target.name}", '
                       f'"peers": ["{target.peer}"]}}')
     if target.kind == "failover":
         raise Refusal(400, f"{model} is the alias of failover chain {target.chain.name}; {what} takes one of its "
-                      f"targets", hint=f"GET /api/failover/{target.chain.name} lists them")
+                      f"targets", fix=f"GET /api/failover/{target.chain.name} lists them")
 
 
 def _fabric_target(services: Services, model: str, lane_kind: str) -> Where:
@@ -380,7 +377,7 @@ def _fabric_target(services: Services, model: str, lane_kind: str) -> Where:
         what = f"model on remote {target.peer}" if target.kind == "remote" else \
             f"failover alias of chain {target.chain.name}"
         raise Refusal(400, f"{model} is a {what}; {lane_kind} requests are served by local models only",
-                      hint="name a local model (GET /v1/models lists them)")
+                      fix="name a local model (GET /v1/models lists them)")
     return target
 
 
@@ -445,7 +442,7 @@ async def rpc_diagnosis(handle: Handle, refusal: Refusal) -> Refusal:
     first_line = refusal.message.splitlines()[0] if refusal.message else ""
     return Refusal(502, f"{handle.key} spreads its layers over llama.cpp RPC workers, and {named} does not "
                    f"answer; the engine stopped because of it ({first_line.rstrip(':')})", code="rpc_worker_down",
-                   hint="start the worker again on its host (blazar rpc serve --port PORT), or take it out of the "
+                   fix="start the worker again on its host (blazar rpc serve --port PORT), or take it out of the "
                    "model's rpc list in config.toml; GET /api/fabric shows every worker")
 
 
@@ -461,7 +458,7 @@ async def _forward_remote(services: Services, peer: str, model: str, upstream: U
     hops = _hops(headers)
     if hops >= MAX_HOPS:
         raise Refusal(508, f"this request has already crossed {hops} gateways ({HOPS_HEADER}); remotes are "
-                      "forwarding it in a loop", hint="check the [[remotes]] entries of the gateways on the way")
+                      "forwarding it in a loop", fix="check the [[remotes]] entries of the gateways on the way")
     passed = tuple((name, headers.get(name)) for name in PASSED_HEADERS if headers.get(name))
     reply_header("x-blazar-remote", peer)
     assert services.remotes is not None  # a remote target names a configured [[remotes]] peer
@@ -471,7 +468,7 @@ async def _forward_remote(services: Services, peer: str, model: str, upstream: U
     except ActorError as error:
         raise Refusal.from_err(error.err) from None
     except ActorUnavailable as error:
-        raise Refusal(502, f"remote {peer}'s actor stopped answering: {error}", hint="retry") from None
+        raise Refusal(502, f"remote {peer}'s actor stopped answering: {error}", fix="retry") from None
 
 
 def _target_failed(status: int) -> bool:
@@ -516,7 +513,7 @@ async def _forward_chain(services: Services, chain: Any, upstream: UpstreamCall,
         await services.failover.report(chain.name, index, True)
         return result
     raise Refusal(502, f"every target of failover chain {chain.name} failed: " + "; ".join(failures),
-                  code="failover_exhausted", hint=f"GET /api/failover/{chain.name} shows each target's state")
+                  code="failover_exhausted", fix=f"GET /api/failover/{chain.name} shows each target's state")
 
 
 async def count_input_tokens(services: Services, model: str, chat: dict[str, Any], headers: Any) -> int:
@@ -534,7 +531,7 @@ async def count_input_tokens(services: Services, model: str, chat: dict[str, Any
         try:
             return await services.lane.lane.count_prompt_tokens(ask_peer, chat)
         except PlanRefused as error:
-            raise Refusal(error.status, error.message, hint=error.fix) from None
+            raise Refusal(error.status, error.message, fix=error.fix) from None
     require_local(services, model, "counting tokens")
     handle = await ensure_model(services, model, headers, fresh=True)
 
@@ -546,7 +543,7 @@ async def count_input_tokens(services: Services, model: str, chat: dict[str, Any
     try:
         return await handle.lane.count_prompt_tokens(ask, chat)
     except PlanRefused as error:
-        raise Refusal(error.status, error.message, hint=error.fix) from None
+        raise Refusal(error.status, error.message, fix=error.fix) from None
 
 
 def buffered(result: UpstreamReply | UpstreamStream) -> UpstreamReply:
@@ -560,7 +557,7 @@ def engine_failure(reply: UpstreamReply) -> Refusal:
     if 400 <= reply.status < 500:
         return Refusal(reply.status, f"the engine refused the request: {text}")
     if reply.status == 503:  # busy, not broken (a peer's queue, a loading engine): worth a retry
-        return Refusal(503, f"the engine is busy: {text}", hint="retry in a moment", retry_after=1.0)
+        return Refusal(503, f"the engine is busy: {text}", fix="retry in a moment", retry_after=1.0)
     return Refusal(502, f"the engine failed ({reply.status}): {text}")
 
 

@@ -65,7 +65,7 @@ def admin_refusal(what: str, scope: Any = None) -> Refusal:
     return Refusal(403, f"{what} changes what every API key sees, so it needs an admin key; the key {name!r} is "
                    f"scoped to ({models})",
                    code="admin_required",
-                   hint="use an unscoped key (one with no models list), or `blazar` on the machine that runs "
+                   fix="use an unscoped key (one with no models list), or `blazar` on the machine that runs "
                    "blazar serve; docs/keys.md lists what a scoped key may do")
 
 
@@ -84,7 +84,7 @@ def require_scope(model: str) -> None:
     allowed = ", ".join(record.models)
     raise Refusal(403, f"the API key {record.name!r} may use only these models: {allowed}; {model!r} is outside its "
                   "scope", code="model_out_of_scope",
-                  hint=f"ask for one of {allowed}, or use a key whose models list includes {model!r}")
+                  fix=f"ask for one of {allowed}, or use a key whose models list includes {model!r}")
 
 
 def install(app: Any) -> None:

@@ -11,15 +11,17 @@ from typing import Any
 
 import msgspec
 
+from blazar.errors import TeachingError
+
 THINK_BLOCK = re.compile(r"<think>.*?(?:</think>|$)\s*", re.DOTALL)
 
 
-class RequestError(ValueError):
+class RequestError(TeachingError, ValueError):
+    """A request body that cannot be served as sent; `param` names the field (OpenAI's error `param`)."""
+
     def __init__(self, message: str, *, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
+        super().__init__(message, status=status)
         self.param = param
-        self.status = status
 
 
 def decode_object(raw: bytes) -> dict[str, Any]:

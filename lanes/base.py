@@ -18,15 +18,11 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
+from blazar.errors import TeachingError
 
-class PlanRefused(Exception):
+
+class PlanRefused(TeachingError):
     """The lane cannot plan this request; `status`, `message` and `fix` are for the client."""
-
-    def __init__(self, message: str, fix: str = "", status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.fix = fix
-        self.status = status
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):

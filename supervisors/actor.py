@@ -38,7 +38,7 @@ class Err(msgspec.Struct, frozen=True, tag="err"):
 
     code: str
     message: str
-    hint: str = ""
+    fix: str = ""  # what the caller can do about it (a route renders it as the error's fix)
     status: int = 500
     retry_after: float = 0.0  # seconds, for a 429/503 the client may retry
 

@@ -116,8 +116,8 @@ class _Counters:
         return sum(n for _, n in self.tokens)
 
 
-def _too_many(message: str, retry_after: float, hint: str) -> Err:
-    return Err("rate_limited", message, hint=hint, status=429, retry_after=max(1, math.ceil(retry_after)))
+def _too_many(message: str, retry_after: float, fix: str) -> Err:
+    return Err("rate_limited", message, fix=fix, status=429, retry_after=max(1, math.ceil(retry_after)))
 
 
 class AdmissionActor(MessageLoop):
@@ -232,7 +232,7 @@ class AdmissionActor(MessageLoop):
         record = self.gate.table.get(key)
         if record is None:
             return Err("key_removed", f"the API key {key!r} was removed while this request was on its way",
-                       hint="ask the gateway's owner for a current key", status=401)
+                       fix="ask the gateway's owner for a current key", status=401)
         if charge not in CHARGES:
             return Err("internal", f"unknown charge {charge!r}", status=500)
         now = self.clock()
@@ -259,7 +259,7 @@ class AdmissionActor(MessageLoop):
             allowed = ", ".join(record.models)
             return Err("model_out_of_scope", f"the API key {name!r} may use only these models: {allowed}; "
                        f"{model!r} is outside its scope",
-                       hint=f"ask for one of {allowed}, or use a key whose models list includes {model!r}",
+                       fix=f"ask for one of {allowed}, or use a key whose models list includes {model!r}",
                        status=403)
         if record.max_concurrent and counters.leases >= record.max_concurrent:
             return _too_many(f"the API key {name!r} already has {counters.leases} request(s) in flight; its "

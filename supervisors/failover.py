@@ -73,7 +73,7 @@ class FailoverActor(MessageLoop):
         if chain is None:
             known = ", ".join(f"{c.entry.name} (alias {c.entry.alias})" for c in self.chains.values()) or "none"
             return Err("unknown_chain", f"no failover chain is named or aliased {getattr(message, 'chain', '')!r}; "
-                       f"chains: {known}", status=404, hint="chains are [[failover]] entries in config.toml")
+                       f"chains: {known}", status=404, fix="chains are [[failover]] entries in config.toml")
         if isinstance(message, Plan):
             return Ok(self._plan(chain))
         if isinstance(message, Report):
@@ -83,7 +83,7 @@ class FailoverActor(MessageLoop):
             targets = chain.entry.targets
             if message.index is not None and not 0 <= message.index < len(targets):
                 return Err("bad_index", f"chain {chain.entry.name} has targets 0..{len(targets) - 1}; got "
-                           f"{message.index}", status=400, hint='POST .../pin {"index": 0}')
+                           f"{message.index}", status=400, fix='POST .../pin {"index": 0}')
             chain.pinned = message.index
             chain.history.append({"at": time.time(), "event": "pin" if message.index is not None else "unpin",
                                   "target": targets[message.index] if message.index is not None else None})

@@ -400,7 +400,7 @@ class Instance:
                 "all_slots_busy",
                 f"all {self.plan.slots} slots of {self.key} stayed busy for {now - waiter.enqueued_at:.1f}s; "
                 "the request was not started",
-                hint="retry later, send X-Blazar-Priority: high, raise X-Blazar-Deadline-Ms, or give the model more "
+                fix="retry later, send X-Blazar-Priority: high, raise X-Blazar-Deadline-Ms, or give the model more "
                 f'slots: blazar config set \'models."{self.key}".parallel\' {self.plan.slots * 2}',
                 status=503))
         if self.state is State.READY and self.in_flight == 0 and not self.waiting and \
@@ -471,7 +471,7 @@ class Instance:
             # Nothing has reached the child yet: the queued requests are told now, not when their wait runs out.
             self._fail_waiters(503, "model_unloading",
                                f"{self.key} was stopped ({message.reason}) before it finished loading; retry",
-                               hint="send the request again: it loads the model anew")
+                               fix="send the request again: it loads the model anew")
             self.state = State.STOPPING
         else:
             self.state = State.DRAINING
@@ -482,7 +482,7 @@ class Instance:
 
     def _on_submit(self, message: Submit) -> None:
         if self.state in (State.DRAINING, State.STOPPING, State.STOPPED):
-            answer(message.reply, Err("model_unloading", f"{self.key} is being unloaded", hint="retry in a moment",
+            answer(message.reply, Err("model_unloading", f"{self.key} is being unloaded", fix="retry in a moment",
                                       status=503))
             return
         if self.state is State.FAILED:
@@ -523,9 +523,9 @@ class Instance:
         if self.state is not State.DRAINING:
             self.state = State.BUSY if self.in_flight else State.READY
 
-    def _fail_waiters(self, status: int, code: str, message: str, hint: str = "") -> None:
+    def _fail_waiters(self, status: int, code: str, message: str, fix: str = "") -> None:
         for waiter in list(self.waiting):
-            answer(waiter.reply, Err(code, message, hint=hint, status=status))
+            answer(waiter.reply, Err(code, message, fix=fix, status=status))
         self.waiting.clear()
         self.by_ticket.clear()
 

@@ -32,6 +32,8 @@ from typing import Any
 
 import trio
 
+from blazar.errors import TeachingError
+
 from .actor import Envelope, Err, MessageLoop, Ok, Reply, call, tell
 from .fair_slots import FairSlots
 from .ledger import LedgerClient
@@ -44,13 +46,11 @@ EVENT_TRAIL = 1000
 WATCH_BUFFER = 64
 
 
-class JobFailed(Exception):
-    """A runner's teaching failure: what went wrong and the fix."""
+class JobFailed(TeachingError):
+    """A runner's teaching failure: what went wrong and the fix (the job row keeps both)."""
 
     def __init__(self, message: str, *, fix: str = "") -> None:
-        super().__init__(message)
-        self.message = message
-        self.fix = fix
+        super().__init__(message, fix)
 
 
 @dataclass
@@ -288,7 +288,7 @@ class JobSupervisor(MessageLoop):
     async def _cancel(self, job_id: str, viewer: str | None) -> Reply:
         rows = await self.ledger.query("SELECT state, key_name FROM jobs WHERE id = ?", (job_id,))
         if not rows or (viewer is not None and rows[0]["key_name"] != viewer):
-            return Err("job_not_found", f"no job {job_id}", hint="GET /v1/jobs lists your jobs", status=404)
+            return Err("job_not_found", f"no job {job_id}", fix="GET /v1/jobs lists your jobs", status=404)
         live = self.live.get(job_id)
         if live is not None and not live.cancelled:
             live.cancelled = True

@@ -121,7 +121,7 @@ class _Pending:
 def _refusal(error: Exception) -> Err:
     status = getattr(error, "status", 400)
     return Err("model_not_found" if status == 404 else "model_unavailable", getattr(error, "message", str(error)),
-               hint=getattr(error, "fix", ""), status=status)
+               fix=getattr(error, "fix", ""), status=status)
 
 
 class LaneSupervisor(MessageLoop):
@@ -233,7 +233,7 @@ class LaneSupervisor(MessageLoop):
                 refusal = error.err
             except ActorUnavailable as error:
                 refusal = Err("placement_unavailable", f"the placement actor did not answer: {error}",
-                              hint="retry in a moment", status=503)
+                              fix="retry in a moment", status=503)
         await self.mailbox.send(_Planned(request=request, plan=plan, refusal=refusal, mem_available=available,
                                          room=room))
 
@@ -265,7 +265,7 @@ class LaneSupervisor(MessageLoop):
             when = "a probe is running now" if admission.verdict is Verdict.PROBING else \
                     f"the next request after {admission.wait:.0f}s starts it once more as a probe"
             return Err("engine_breaker_open", f"{breaker.reason}\n(breaker open: {when})",
-                       hint="wait for the probe, or clear it now: blazar ps --reset", status=502,
+                       fix="wait for the probe, or clear it now: blazar ps --reset", status=502,
                        retry_after=max(1.0, admission.wait)), False
         probe = admission.ticket if admission is not None else None
         reply, started = self._spawn(plan, previous, probe, available, room)
@@ -303,7 +303,7 @@ class LaneSupervisor(MessageLoop):
         return Err("insufficient_memory",
                    f"not loading {plan.model}: MemAvailable is {available / 2**20:.0f} MiB, and the model needs "
                    f"{plan.size_bytes / 2**20:.0f} MiB plus the {floor / 2**20:.0f} MiB floor",
-                   hint="free memory or unload a model (blazar stop MODEL), pick a smaller quant (blazar fit), "
+                   fix="free memory or unload a model (blazar stop MODEL), pick a smaller quant (blazar fit), "
                    "or lower the floor: blazar config set spawn_mem_floor_mib 0", status=507)
 
     def _make_room(self, plan: Any) -> list[trio.Event] | Err:
@@ -314,7 +314,7 @@ class LaneSupervisor(MessageLoop):
         if budget and plan.size_bytes > budget:
             return Err("over_ram_budget", f"{plan.model} ({plan.size_bytes / 2**20:.0f} MiB) is larger than the whole "
                        f"ram_budget_mib ({self.config.ram_budget_mib} MiB)",
-                       hint=f"raise it: blazar config set ram_budget_mib {plan.size_bytes // 2**20 + 1}", status=507)
+                       fix=f"raise it: blazar config set ram_budget_mib {plan.size_bytes // 2**20 + 1}", status=507)
 
         def crowded() -> bool:
             over_cap = len(live) >= max(1, self.config.max_resident_models)
@@ -327,7 +327,7 @@ class LaneSupervisor(MessageLoop):
             if not idle:
                 return Err("all_models_busy",
                            f"{len(live)} resident models fill max_resident_models/ram_budget_mib and every one is busy",
-                           hint="retry shortly, or raise the cap: blazar config set max_resident_models "
+                           fix="retry shortly, or raise the cap: blazar config set max_resident_models "
                            f"{self.config.max_resident_models + 1}", status=503)
             victim = min(idle, key=lambda r: r.last_used)
             live.remove(victim)
@@ -373,7 +373,7 @@ class LaneSupervisor(MessageLoop):
             self.nursery.start_soon(self._resolve_then_unload, message)
             return None
         if resident is None:
-            return Err("not_loaded", f"{message.model} is not loaded", hint="blazar ps lists loaded models",
+            return Err("not_loaded", f"{message.model} is not loaded", fix="blazar ps lists loaded models",
                        status=404)
         tell(resident.mailbox, Stop(reply=message.reply, reason="unloaded on request"))
         return None  # the instance answers once its child is gone
@@ -382,7 +382,7 @@ class LaneSupervisor(MessageLoop):
         try:
             resolved = await trio.to_thread.run_sync(Store(self.paths).resolve, message.model)
         except StoreError as error:
-            answer(message.reply, Err("model_not_found", error.message, hint=error.fix, status=404))
+            answer(message.reply, Err("model_not_found", error.message, fix=error.fix, status=404))
             return
         await self.mailbox.send(Unload(reply=message.reply, model=resolved, resolved=True))
 

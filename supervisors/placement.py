@@ -149,11 +149,11 @@ class PlacementActor(MessageLoop):
         if self.ram_budget and message.size_bytes > self.ram_budget:
             return Err("over_ram_budget", f"{message.model} ({message.size_bytes / MiB:.0f} MiB) is larger than the "
                        f"whole ram_budget_mib ({self.ram_budget // MiB} MiB)",
-                       hint=f"raise it: blazar config set ram_budget_mib {message.size_bytes // MiB + 1}", status=507)
+                       fix=f"raise it: blazar config set ram_budget_mib {message.size_bytes // MiB + 1}", status=507)
         if message.gpu and self.gpu_total and message.size_bytes > self.gpu_total:
             return Err("over_gpu_memory", f"{message.model} ({message.size_bytes / MiB:.0f} MiB) is larger than the "
                        f"GPU memory NVML reports ({self.gpu_total // MiB} MiB)",
-                       hint="offload fewer layers (options.num_gpu) or pick a smaller quant", status=507)
+                       fix="offload fewer layers (options.num_gpu) or pick a smaller quant", status=507)
         live = [row for row in self.rows.values() if not row.evicting and
                 not (message.replacing and row.lane == message.lane and row.model == message.model)]
         victims: list[Row] = []
@@ -172,7 +172,7 @@ class PlacementActor(MessageLoop):
                 busy = ", ".join(f"{r.model} ({r.lane}, {r.state})" for r in live) or "none"
                 return Err("all_models_busy", f"no room for {message.model} ({message.size_bytes / MiB:.0f} MiB): the "
                            f"resident models of every lane fill ram_budget_mib ({self.ram_budget // MiB} MiB) and none "
-                           f"is idle ({busy})", hint="retry shortly, or raise ram_budget_mib", status=503,
+                           f"is idle ({busy})", fix="retry shortly, or raise ram_budget_mib", status=503,
                            retry_after=1.0)
             victim = min(idle, key=lambda r: r.last_used)
             live.remove(victim)

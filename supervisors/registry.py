@@ -54,7 +54,7 @@ class RotateKey(Envelope, frozen=True, kw_only=True, tag="rotate_key"):
 
 
 def _refusal(error: StoreError) -> Err:
-    return Err("model_store", error.message, hint=error.fix, status=error.status)
+    return Err("model_store", error.message, fix=error.fix, status=error.status)
 
 
 class RegistryActor(MessageLoop):
@@ -94,9 +94,9 @@ class RegistryActor(MessageLoop):
                 try:
                     return Ok(await self._change_key(message))
                 except keyring.KeyChangeError as error:
-                    return Err("key_refused", error.message, hint=error.fix, status=error.status)
+                    return Err("key_refused", error.message, fix=error.fix, status=error.status)
                 except ConfigError as error:
-                    return Err("config_refused", error.message, hint=error.fix, status=409)
+                    return Err("config_refused", error.message, fix=error.fix, status=409)
         return Err("unknown_op", f"registry does not understand {type(message).__name__}")
 
     async def _change_key(self, message: Envelope) -> dict[str, Any]:

@@ -153,23 +153,23 @@ class RemotePeer(MessageLoop):
         if self.entry.key_env and not self.key:
             return Err("remote_key_missing", f"remote {self.entry.name} sends its key from ${self.entry.key_env}, "
                        "which is not set in the gateway's environment", status=503,
-                       hint=f"export {self.entry.key_env}=<the peer's key> and restart blazar serve")
+                       fix=f"export {self.entry.key_env}=<the peer's key> and restart blazar serve")
         now = trio.current_time()
         admission = self.breaker.admit(now)
         if admission.verdict is Verdict.COOLING:
             wait = admission.wait
             return Err("remote_breaker_open", f"remote {self.entry.name}'s breaker is open after {self.failures} "
                        f"failures in a row (last: {self.last_error}); the next request after {wait:.0f}s probes it",
-                       status=503, hint="wait, or see GET /api/route/<model>", retry_after=max(1.0, wait))
+                       status=503, fix="wait, or see GET /api/route/<model>", retry_after=max(1.0, wait))
         if admission.verdict is Verdict.PROBING:
             return Err("remote_breaker_open", f"remote {self.entry.name} is being probed after failing "
-                       f"(last: {self.last_error})", status=503, hint="retry in a moment", retry_after=1.0)
+                       f"(last: {self.last_error})", status=503, fix="retry in a moment", retry_after=1.0)
         try:
             path = lane.peer_path(self.entry.kind, message.call.path)
         except lane.NotServed as error:
             self.breaker.ended(now)  # if this was to be the probe, it never left: the next request probes
             return Err("remote_route_unserved", f"remote {self.entry.name}: {error}", status=400,
-                       hint="address this route to a local model or a Blazar peer")
+                       fix="address this route to a local model or a Blazar peer")
         self.in_flight += 1
         self.nursery.start_soon(self._relay, message, path, admission.ticket)
         return None
@@ -322,7 +322,7 @@ class RemotePeer(MessageLoop):
             text = self._failure_text(error)
             code = "remote_timeout" if isinstance(error, httpcore.TimeoutException) else "remote_unreachable"
             answer(message.reply, Err(code, text, status=504 if code == "remote_timeout" else 502,
-                                      hint=f"is the peer up? check [[remotes]] {self.entry.name} url; "
+                                      fix=f"is the peer up? check [[remotes]] {self.entry.name} url; "
                                       "GET /api/route/<model> shows its state"))
             return False, text
 
@@ -337,7 +337,7 @@ class RemotePeer(MessageLoop):
         if status in (401, 403):
             return Err("remote_auth", f"remote {self.entry.name} refused Blazar's key ({status}): "
                        f"{lane.error_text(body)}", status=502,
-                       hint=f"set {self.entry.key_env or 'key_env'} to a key the peer accepts (the [[remotes]] entry's "
+                       fix=f"set {self.entry.key_env or 'key_env'} to a key the peer accepts (the [[remotes]] entry's "
                        "key_env names the variable)")
         return UpstreamReply(status=status, body=body, content_type=content_type or "application/json",
                              queued_secs=0.0, engine_message=lane.error_text(body) if status >= 400 else "")

@@ -148,7 +148,7 @@ class RequestRegistry(MessageLoop):
                 card = self.live.get(card_id) or next((c for c in self.finished if c["id"] == card_id), None)
                 if card is None or not _visible(card, viewer):
                     return Err("request_not_found", f"no request {card_id} in this boot's cards",
-                               hint="GET /v1/requests lists live requests and the recent finished ones", status=404)
+                               fix="GET /v1/requests lists live requests and the recent finished ones", status=404)
                 return Ok(dict(card))
             case List(model=model, state=state, viewer=viewer):
                 rows = [*self.live.values(), *reversed(self.finished)]
@@ -163,11 +163,11 @@ class RequestRegistry(MessageLoop):
                     known = any(c["id"] == card_id and _visible(c, viewer) for c in self.finished)
                     return Err("request_finished" if known else "request_not_found",
                                f"request {card_id} has already finished" if known else f"no live request {card_id}",
-                               hint="GET /v1/requests lists the live ones", status=409 if known else 404)
+                               fix="GET /v1/requests lists the live ones", status=409 if known else 404)
                 if kind == "interrupt" and not self.live[card_id]["stream"]:
                     return Err("interrupt_needs_stream",
                                f"request {card_id} is not streamed, so there is no partial answer to keep",
-                               hint=f"POST /v1/requests/{card_id}/cancel stops it instead", status=409)
+                               fix=f"POST /v1/requests/{card_id}/cancel stops it instead", status=409)
                 control.signal(kind)
                 return Ok(dict(self.live[card_id]))
             case SaveCompletion(card=card):
@@ -181,7 +181,7 @@ class RequestRegistry(MessageLoop):
                     return Err("completion_not_found",
                                f"no stored completion {card_id}: only non-stream completions created with a "
                                f"`metadata` object are kept, and only the last {COMPLETION_CARDS}",
-                               hint="create the completion with \"metadata\": {...} and stream false", status=404)
+                               fix="create the completion with \"metadata\": {...} and stream false", status=404)
                 card["metadata"] = metadata
                 self.completions.move_to_end(card_id)
                 return Ok({name: value for name, value in card.items() if name != "key"})  # its owner stays private

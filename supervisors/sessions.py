@@ -107,14 +107,14 @@ class SessionSupervisor(MessageLoop):
 
     def _start(self, message: Start) -> Reply:
         if self.draining:
-            return Err("gateway_draining", f"no new sessions: {self.draining}", hint="reconnect once it is back",
+            return Err("gateway_draining", f"no new sessions: {self.draining}", fix="reconnect once it is back",
                        status=503, retry_after=1.0)
         held = sum(1 for live in self.live.values() if live.key == message.key and live.kind == message.kind)
         if self.per_key and held >= self.per_key:
             whose = f"the API key {message.key!r}" if message.key is not None else "this gateway"
             return Err("sessions_exhausted", f"{whose} already has {held} open {message.kind} sessions; "
                        f"realtime_sessions_per_key allows {self.per_key}",
-                       hint="close one first, or raise realtime_sessions_per_key in config.toml", status=429,
+                       fix="close one first, or raise realtime_sessions_per_key in config.toml", status=429,
                        retry_after=1.0)
         ticket = Ticket(id=f"{message.kind}-{next(self._ids)}", stop=trio.Event(), done=trio.Event())
         self.live[ticket.id] = _Live(ticket=ticket, kind=message.kind, key=message.key, describe=message.describe,

@@ -55,7 +55,7 @@ class Counter(MessageLoop):
             case Boom():
                 raise RuntimeError("boom")
             case Refuse():
-                return Err("nope", "refused on purpose", hint="ask nicely", status=409)
+                return Err("nope", "refused on purpose", fix="ask nicely", status=409)
             case Hang():
                 await trio.sleep_forever()
 
@@ -75,7 +75,7 @@ async def test_err_reply_raises_with_the_typed_error(nursery):
     mailbox = await nursery.start(partial(supervise, Counter))
     with pytest.raises(ActorError) as caught:
         await call(mailbox, lambda r: Refuse(reply=r))
-    assert caught.value.err == Err("nope", "refused on purpose", hint="ask nicely", status=409)
+    assert caught.value.err == Err("nope", "refused on purpose", fix="ask nicely", status=409)
 
 
 async def test_call_deadline_gives_actor_unavailable(nursery, autojump_clock):

@@ -31,19 +31,19 @@ def _manager_refusal() -> Refusal | None:
             return None
         return Refusal(403, "this gateway has no API keys, so anyone who can reach it could manage them: key "
                        "management is refused while it is open",
-                       hint="create the first key on the machine that runs blazar serve: blazar keys add NAME "
+                       fix="create the first key on the machine that runs blazar serve: blazar keys add NAME "
                        "(it prints the secret once); see docs/keys.md")
     if record is None or not record.admin:
         scope = ", ".join(record.models) if record is not None else ""
         return Refusal(403, f"the key {record.name if record else ''!r} is scoped to models ({scope}); only "
-                       "unscoped keys (no models list) manage keys", hint="use an unscoped (admin) key")
+                       "unscoped keys (no models list) manage keys", fix="use an unscoped (admin) key")
     return None
 
 
 def _name_arg() -> str:
     name = request.args.get("name", "").strip()
     if not name:
-        raise Refusal(400, "name the key: ?name=KEY", hint=f"e.g. {request.path}?name=laptop")
+        raise Refusal(400, "name the key: ?name=KEY", fix=f"e.g. {request.path}?name=laptop")
     return name
 
 
@@ -56,11 +56,11 @@ async def _ask(work: Any) -> Response:
     except Refusal as error:
         return error.response(request.path)
     except KeyChangeError as error:
-        return Refusal(error.status, error.message, hint=error.fix).response(request.path)
+        return Refusal(error.status, error.message, fix=error.fix).response(request.path)
     except ActorError as error:
         return Refusal.from_err(error.err).response(request.path)
     except ActorUnavailable as error:
-        return Refusal(503, f"the key registry did not answer: {error}", hint="retry in a moment").response(
+        return Refusal(503, f"the key registry did not answer: {error}", fix="retry in a moment").response(
             request.path)
 
 
@@ -92,9 +92,9 @@ async def add_key():
         try:
             body = msgspec.json.decode(await request.get_data())
         except msgspec.DecodeError as error:
-            raise Refusal(400, f"the body is not JSON ({error})", hint='send {"name": "laptop"}') from None
+            raise Refusal(400, f"the body is not JSON ({error})", fix='send {"name": "laptop"}') from None
         if not isinstance(body, dict):
-            raise Refusal(400, "the body must be a JSON object", hint='send {"name": "laptop"}')
+            raise Refusal(400, "the body must be a JSON object", fix='send {"name": "laptop"}')
         created = await current_services().registry.add_key(check_new_key(body))
         created["note"] = "the secret is shown only this once; the gateway keeps only its hash"
         return _json(created, status=201)

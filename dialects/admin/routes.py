@@ -120,7 +120,7 @@ async def explain(model: str):
         return Response(msgspec.json.encode({"error": error.message}), status=error.status,
                         content_type="application/json")
     except ActorError as error:
-        return Response(msgspec.json.encode({"error": f"{error.err.message} (fix: {error.err.hint})"}),
+        return Response(msgspec.json.encode({"error": f"{error.err.message} (fix: {error.err.fix})"}),
                         status=error.err.status, content_type="application/json")
     return _json(card)
 

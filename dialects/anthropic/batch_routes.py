@@ -68,7 +68,7 @@ def batch_object(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _missing(batch_id: str) -> Response:
-    return refuse(Refusal(404, f"no message batch {batch_id}", hint="GET /v1/messages/batches lists yours"))
+    return refuse(Refusal(404, f"no message batch {batch_id}", fix="GET /v1/messages/batches lists yours"))
 
 
 async def _row(batch_id: str) -> dict[str, Any] | None:
@@ -144,9 +144,9 @@ async def _ended_row(batch_id: str, what: str, fix: str) -> dict[str, Any]:
     """The batch's row once it has ended; a 404 or a 409 (still processing) otherwise."""
     row = await _row(batch_id)
     if row is None:
-        raise Refusal(404, f"no message batch {batch_id}", hint="GET /v1/messages/batches lists yours")
+        raise Refusal(404, f"no message batch {batch_id}", fix="GET /v1/messages/batches lists yours")
     if row["state"] not in TERMINAL:
-        raise Refusal(409, f"message batch {batch_id} is still processing: {what}", hint=fix)
+        raise Refusal(409, f"message batch {batch_id} is still processing: {what}", fix=fix)
     return row
 
 

@@ -33,15 +33,15 @@ async def target_model(*, resident_only: bool = False) -> str:
         names = ", ".join(sorted(row["model"] for row in live)) or "none"
         raise Refusal(409, f"GET {request.path} answers only for a loaded model, and {chosen} is not loaded "
                       f"(loaded: {names}); a GET never loads one",
-                      hint=f'load it first: POST /api/warm {{"model": "{chosen}"}}, or any request to it')
+                      fix=f'load it first: POST /api/warm {{"model": "{chosen}"}}, or any request to it')
     if len(live) == 1:
         return live[0]["model"]
     if not live:
         raise Refusal(400, f"{request.path} needs a model: no model is loaded",
-                      hint="send X-Blazar-Model: <model> or ?model=<model>")
+                      fix="send X-Blazar-Model: <model> or ?model=<model>")
     names = ", ".join(sorted(row["model"] for row in live))
     raise Refusal(400, f"{request.path} needs a model: several are loaded ({names})",
-                  hint="send X-Blazar-Model: <model> or ?model=<model>")
+                  fix="send X-Blazar-Model: <model> or ?model=<model>")
 
 
 async def _native(path: str, method: str = "POST", *, stream_ok: bool = False):

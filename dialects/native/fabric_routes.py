@@ -53,12 +53,12 @@ async def warm():
         model = require_model(body)
         wait = body.get("wait", False)
         if not isinstance(wait, bool):
-            raise Refusal(400, f"`wait` must be true or false, got {wait!r}", hint='{"model": "...", "wait": true}')
+            raise Refusal(400, f"`wait` must be true or false, got {wait!r}", fix='{"model": "...", "wait": true}')
         require_local(services, model, "/api/warm")
         await admit_request(services, model)  # the key's model scope and limits, like a request for it
         if not wait:
             if not services.lane.warm(model):
-                raise Refusal(503, "the text lane is too busy to take a warm request now", hint="retry in a moment")
+                raise Refusal(503, "the text lane is too busy to take a warm request now", fix="retry in a moment")
             return json_response({"status": "ok"})
         started = time.perf_counter()
         handle = await ensure_model(services, model, LOW_PRIORITY, fresh=True)
@@ -124,16 +124,16 @@ def _peers_arg(services: Services, raw: Any) -> list[str]:
     configured = list(services.remotes.entries) if services.remotes is not None else []
     if not configured:
         raise Refusal(400, "no [[remotes]] are configured on this gateway",
-                      hint="add a [[remotes]] entry to config.toml (docs/remotes.md) and restart")
+                      fix="add a [[remotes]] entry to config.toml (docs/remotes.md) and restart")
     if raw is None:
         return configured
     if not isinstance(raw, list) or not raw or not all(isinstance(p, str) for p in raw):
         raise Refusal(400, f"`peers` must be a non-empty list of remote names, got {raw!r}",
-                      hint=f"remotes: {', '.join(configured)}; leave `peers` out for all")
+                      fix=f"remotes: {', '.join(configured)}; leave `peers` out for all")
     unknown = [p for p in raw if p not in configured]
     if unknown:
         raise Refusal(400, f"`peers` names {', '.join(unknown)}, which no [[remotes]] entry has",
-                      hint=f"remotes: {', '.join(configured)}")
+                      fix=f"remotes: {', '.join(configured)}")
     return list(dict.fromkeys(raw))
 
 
@@ -237,7 +237,7 @@ async def _local_decision(services: Services, model: str, rows: list[dict[str, A
 def _no_chains(services: Services) -> None:
     if services.failover is None:
         raise Refusal(404, "no [[failover]] chains are configured on this gateway",
-                      hint="add a [[failover]] entry to config.toml (docs/remotes.md) and restart")
+                      fix="add a [[failover]] entry to config.toml (docs/remotes.md) and restart")
 
 
 @blueprint.get("/api/failover")
@@ -276,7 +276,7 @@ async def failover_pin(chain: str):
     index = body.get("index")
     if isinstance(index, bool) or not isinstance(index, int):
         return refuse(Refusal(400, f"`index` must be the whole-number position of a target in the chain, got "
-                              f"{index!r}", hint='{"index": 0} pins the first target'))
+                              f"{index!r}", fix='{"index": 0} pins the first target'))
     return await _chain_call(lambda failover: failover.pin(chain, index))
 
 

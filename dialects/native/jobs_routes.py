@@ -21,7 +21,7 @@ STATES = ("queued", "running", *TERMINAL)
 
 
 def _missing(job_id: str) -> Response:
-    return refuse(Refusal(404, f"no job {job_id}", hint="GET /v1/jobs lists your jobs"))
+    return refuse(Refusal(404, f"no job {job_id}", fix="GET /v1/jobs lists your jobs"))
 
 
 @blueprint.get("/v1/jobs")
@@ -83,6 +83,6 @@ async def job_artifact(job_id: str):
         data = await trio.to_thread.run_sync(path.read_bytes)
     except FileNotFoundError:
         return refuse(Refusal(410, f"job {job_id}'s artifact was pruned from {path}",
-                              hint="submit the job again to produce it"))
+                              fix="submit the job again to produce it"))
     return Response(data, content_type="application/json" if path.suffix == ".json" else "application/octet-stream",
                     headers={"content-length": str(len(data))})

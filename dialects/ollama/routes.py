@@ -103,7 +103,7 @@ def _keep_alive(body: dict[str, Any]) -> float | None:
     try:
         return parse_duration(body["keep_alive"])
     except ConfigError as error:
-        raise Refusal(400, f"`keep_alive` {body['keep_alive']!r}: {error.message}", hint="e.g. \"5m\", 300, 0, -1") \
+        raise Refusal(400, f"`keep_alive` {body['keep_alive']!r}: {error.message}", fix="e.g. \"5m\", 300, 0, -1") \
             from None
 
 

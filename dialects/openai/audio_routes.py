@@ -74,7 +74,7 @@ async def _transcribe_once(services: Services, model: str, audio: bytes, options
     if reply.status >= 400:
         status = 400 if reply.status < 500 else 502
         raise Refusal(status, f"whisper could not transcribe this file: {reply.engine_message}",
-                      hint="send audio in a format ffmpeg/PyAV reads (wav, mp3, flac, ogg, m4a)")
+                      fix="send audio in a format ffmpeg/PyAV reads (wav, mp3, flac, ogg, m4a)")
     return msgspec.json.decode(reply.body)
 
 
@@ -84,7 +84,7 @@ def render(result: dict[str, Any], transcription: t.TranscriptionRequest) -> Res
         payload = t.diarized(result)
         if not payload["segments"]:
             raise Refusal(502, "whisper heard no speech on either channel, so there is nothing to diarize",
-                          hint="check the recording, or ask for response_format json")
+                          fix="check the recording, or ask for response_format json")
         return json_response(payload)
     headers = {"x-blazar-word-timestamps": "derived" if transcription.words else "unavailable"}
     if fmt == "text":
@@ -121,7 +121,7 @@ async def _speech_to_text(task: str):
         entry = audio_models.CATALOG.get(model)
         if task == "translate" and entry is not None and entry.language == "en":
             raise Refusal(400, f"whisper:{model} is English-only, so it cannot translate",
-                          hint="use a multilingual model: blazar whisper --pull --model base, then model=base")
+                          fix="use a multilingual model: blazar whisper --pull --model base, then model=base")
         options = dict(transcription.options)
         if transcription.diarize:
             options["split_stereo"] = True
@@ -222,7 +222,7 @@ def _streamed(services: Services, model: str, audio: bytes, options: dict[str, A
                     if item is None:
                         yield b": keep-alive\n\n"
                 if isinstance(item, Refusal):
-                    yield _sse("error", {"type": "error", "message": item.message, "fix": item.hint})
+                    yield _sse("error", {"type": "error", "message": item.message, "fix": item.fix})
                     return
                 offset_ms, result = item
                 language = result["language"]
@@ -289,7 +289,7 @@ async def run_audio_job(services: Services, ctx: JobContext) -> dict[str, Any]:
             result = await _transcribe_once(services, (ctx.model or "").removeprefix("whisper:"), audio,
                                             spec["options"], {})
     except Refusal as refusal:
-        raise JobFailed(refusal.message, fix=refusal.hint or "submit it again") from None
+        raise JobFailed(refusal.message, fix=refusal.fix or "submit it again") from None
     rendered = render(result, transcription)
     body = await rendered.get_data(as_text=False)
     content_type = rendered.content_type or ""
@@ -310,7 +310,7 @@ def _audio_job_view(row: dict[str, Any]) -> dict[str, Any]:
 async def audio_job(job_id: str):
     row = await required(current_services().jobs).get(job_id, viewer())
     if row is None or row["kind"] != "audio":
-        return refuse(Refusal(404, f"no audio job {job_id}", hint="GET /v1/jobs?kind=audio lists yours"))
+        return refuse(Refusal(404, f"no audio job {job_id}", fix="GET /v1/jobs?kind=audio lists yours"))
     return json_response(_audio_job_view(row))
 
 
@@ -320,7 +320,7 @@ async def cancel_audio_job(job_id: str):
     services = current_services()
     row = await required(services.jobs).get(job_id, viewer())
     if row is None or row["kind"] != "audio":
-        return refuse(Refusal(404, f"no audio job {job_id}", hint="GET /v1/jobs?kind=audio lists yours"))
+        return refuse(Refusal(404, f"no audio job {job_id}", fix="GET /v1/jobs?kind=audio lists yours"))
     state = await required(services.jobs).cancel(job_id, viewer())
     row = await required(services.jobs).get(job_id)
     assert row is not None  # found above; job rows are archived, never deleted
@@ -341,14 +341,14 @@ async def speech_voice(services: Services, body: dict[str, Any]) -> str:
             return candidate
     raise Refusal(404 if installed else 400, f"no installed piper voice named {body.get('model')!r} (model) or "
                   f"{body.get('voice')!r} (voice); installed: {', '.join(installed) or 'none'}",
-                  hint="model = a piper voice id, e.g. en_US-joe-medium (blazar pull en_US-joe-medium)")
+                  fix="model = a piper voice id, e.g. en_US-joe-medium (blazar pull en_US-joe-medium)")
 
 
 def _ffmpeg(pcm_rate: int, fmt: str, *, wav: bool = False) -> list[str]:
     binary = shutil.which("ffmpeg")
     if binary is None:
         raise Refusal(400, f"response_format {fmt} needs ffmpeg, which is not installed on the gateway's machine",
-                      hint="use response_format wav or pcm, or install ffmpeg (apt-get install ffmpeg)")
+                      fix="use response_format wav or pcm, or install ffmpeg (apt-get install ffmpeg)")
     source = ["-f", "wav"] if wav else ["-f", "s16le", "-ar", str(pcm_rate), "-ac", "1"]
     return [binary, "-hide_banner", "-loglevel", "error", *source, "-i", "pipe:0", *FFMPEG_FORMAT[fmt], "pipe:1"]
 
@@ -399,7 +399,7 @@ async def _remote_speech_to_text(services: Services, task: str, transcription: t
 
     if transcription.run_async:
         raise Refusal(400, f"async transcription jobs run on this gateway's own whisper; {transcription.model} is on "
-                      "a remote", hint="send it without async=true (it is answered when done), or to the peer itself")
+                      "a remote", fix="send it without async=true (it is answered when done), or to the peer itself")
     remote = remote_of(services, transcription.model)
     assert remote is not None  # routed here because the model is `peer:model`
     peer, name = remote
@@ -452,10 +452,10 @@ async def _transcode(argv: list[str], wav_bytes: bytes) -> bytes:
     with trio.move_on_after(FFMPEG_SECS) as budget:
         done = await childproc.run(argv, input=wav_bytes)
     if budget.cancelled_caught:
-        raise Refusal(504, f"ffmpeg did not finish within {FFMPEG_SECS:g} s", hint="send shorter text per request")
+        raise Refusal(504, f"ffmpeg did not finish within {FFMPEG_SECS:g} s", fix="send shorter text per request")
     if done.returncode != 0 or not done.stdout:
         raise Refusal(502, f"ffmpeg failed ({done.returncode}): {done.stderr.decode(errors='replace')[-400:]}",
-                      hint="use response_format wav or pcm")
+                      fix="use response_format wav or pcm")
     return done.stdout
 
 

@@ -97,13 +97,13 @@ async def _check_file_quota(services: Services, key: str | None, size: int) -> N
     whose = f"the API key {key!r}" if key is not None else "this gateway"
     if config.files_per_key and files + 1 > config.files_per_key:
         raise Refusal(429, f"{whose} already keeps {files} files; files_per_key allows {config.files_per_key}",
-                      code="file_quota", hint="delete files it no longer needs (DELETE /v1/files/{id}), or raise "
+                      code="file_quota", fix="delete files it no longer needs (DELETE /v1/files/{id}), or raise "
                       "files_per_key in config.toml")
     cap = config.file_storage_per_key_mib * 1024 * 1024
     if cap and stored + size > cap:
         raise Refusal(429, f"{whose} keeps {stored} bytes of files and this upload adds {size}; "
                       f"file_storage_per_key_mib allows {config.file_storage_per_key_mib} MiB",
-                      code="file_quota", hint="delete files it no longer needs (DELETE /v1/files/{id}), or raise "
+                      code="file_quota", fix="delete files it no longer needs (DELETE /v1/files/{id}), or raise "
                       "file_storage_per_key_mib in config.toml")
 
 
@@ -146,7 +146,7 @@ async def get_file(file_id: str):
         return json_response(_file_object(rendered[0]))
     row = await _file_row(services, file_id)
     if row is None:
-        return refuse(Refusal(404, f"no file {file_id}", hint="upload one with POST /v1/files"))
+        return refuse(Refusal(404, f"no file {file_id}", fix="upload one with POST /v1/files"))
     return json_response(_file_object(row))
 
 
@@ -161,14 +161,14 @@ async def delete_file(file_id: str):
     if row is None:
         hint = "batch output and error files are rendered from the batch; they go with it" \
             if file_id.startswith("file-batch_") else "GET /v1/files/{id} shows a file you own"
-        return refuse(Refusal(404, f"no file {file_id}", hint=hint))
+        return refuse(Refusal(404, f"no file {file_id}", fix=hint))
     readers = await services.ledger.query(
         "SELECT id FROM jobs WHERE kind = 'batch' AND state IN ('queued', 'running') AND "
         "json_extract(request, '$.input_file_id') = ?", (file_id,))
     if readers:
         batch = readers[0]["id"]
         return refuse(Refusal(409, f"file {file_id} is the input of batch {batch}, which has not finished",
-                              hint=f"delete it once the batch ends, or cancel the batch first: POST "
+                              fix=f"delete it once the batch ends, or cancel the batch first: POST "
                               f"/v1/batches/{batch}/cancel"))
     await services.ledger.execute("DELETE FROM files WHERE id = ?", (file_id,))
     await trio.to_thread.run_sync(lambda: Path(row["path"]).unlink(missing_ok=True))
@@ -184,12 +184,12 @@ async def file_content(file_id: str):
         return Response(rendered[1], content_type="application/jsonl")
     row = await _file_row(services, file_id)
     if row is None:
-        return refuse(Refusal(404, f"no file {file_id}", hint="upload one with POST /v1/files"))
+        return refuse(Refusal(404, f"no file {file_id}", fix="upload one with POST /v1/files"))
     try:
         data = await trio.to_thread.run_sync(Path(row["path"]).read_bytes)
     except FileNotFoundError:
         return refuse(Refusal(410, f"file {file_id}'s content was removed from {row['path']}",
-                              hint="upload it again"))
+                              fix="upload it again"))
     return Response(data, content_type="application/octet-stream")
 
 
@@ -275,7 +275,7 @@ async def create_batch():
         row = await _file_row(services, file_id) if isinstance(file_id, str) else None
         if row is None:
             raise Refusal(404, f"no file {file_id!r}: upload the JSONL input first",
-                          hint="POST /v1/files with purpose=batch, then pass its id as input_file_id")
+                          fix="POST /v1/files with purpose=batch, then pass its id as input_file_id")
         if row["purpose"] != "batch":
             raise RequestError(f"file {file_id} was uploaded with purpose {row['purpose']!r}; batches read "
                                "purpose=batch files", param="input_file_id")
@@ -315,7 +315,7 @@ async def _batch_row(batch_id: str) -> dict[str, Any] | None:
 async def get_batch(batch_id: str):
     row = await _batch_row(batch_id)
     if row is None:
-        return refuse(Refusal(404, f"no batch {batch_id}", hint="GET /v1/batches lists yours"))
+        return refuse(Refusal(404, f"no batch {batch_id}", fix="GET /v1/batches lists yours"))
     return json_response(batch_object(row))
 
 
@@ -325,7 +325,7 @@ async def cancel_batch(batch_id: str):
     services = current_services()
     row = await _batch_row(batch_id)
     if row is None:
-        return refuse(Refusal(404, f"no batch {batch_id}", hint="GET /v1/batches lists yours"))
+        return refuse(Refusal(404, f"no batch {batch_id}", fix="GET /v1/batches lists yours"))
     await required(services.jobs).cancel(batch_id, viewer())
     row = await required(services.jobs).get(batch_id)
     assert row is not None  # found above; job rows are archived, never deleted

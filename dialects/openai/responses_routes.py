@@ -53,7 +53,7 @@ async def _route_history(services: Services, body: dict[str, Any]) -> tuple[list
         return await _history(services, body, viewer())
     except PreviousMissing as missing:
         raise Refusal(404, f"previous_response_id {missing.args[0]!r} is not stored: it never was (store: false), "
-                      "or it expired after 24 hours", hint="send the whole conversation in `input` instead") from None
+                      "or it expired after 24 hours", fix="send the whole conversation in `input` instead") from None
 
 
 async def _store(services: Services, response_id: str, body: dict[str, Any], conversation: str | None,
@@ -88,8 +88,7 @@ async def run_background(services: Services, ctx: Any) -> dict[str, Any]:
     try:
         return await answer(services, ctx.request["body"], ctx.id, key=ctx.key)
     except (RequestError, Refusal) as error:
-        hint = getattr(error, "hint", "") or "fix the request and submit it again"
-        raise JobFailed(error.message, fix=hint) from None
+        raise JobFailed(error.message, fix=getattr(error, "fix", "") or "fix the request and submit it again") from None
 
 
 @blueprint.post("/v1/responses")
@@ -152,7 +151,7 @@ async def get_response(response_id: str):
     row = await required(services.jobs).get(response_id, viewer())
     if row is None or row["kind"] != "responses":
         return refuse(Refusal(404, f"no stored response {response_id}: responses are kept 24 hours, and only with "
-                              "`store: true`", hint="GET /v1/conversations/{name} lists a conversation's responses"))
+                              "`store: true`", fix="GET /v1/conversations/{name} lists a conversation's responses"))
     body = msgspec.json.decode(row["request"])["body"]
     status = {"queued": "queued", "running": "in_progress", "cancelled": "cancelled"}.get(row["state"], "failed")
     error = None
@@ -171,7 +170,7 @@ async def get_conversation(name: str):
     thread = await required(current_services().responses).conversation(name, viewer())
     if not thread:
         return refuse(Refusal(404, f"no conversation {name!r}: a conversation exists once a stored response names "
-                              "it", hint="POST /v1/responses with \"conversation\": \"" + name + "\""))
+                              "it", fix="POST /v1/responses with \"conversation\": \"" + name + "\""))
     return json_response({"object": "conversation", "id": name, "created_at": int(thread[0].created),
                           "data": [s.body for s in thread]})
 
