@@ -47,12 +47,15 @@ class Observability:
         self.tokens = Counter("blazar_tokens", "Tokens in and out", ["model", "direction"], registry=r)
         self.cached_tokens = Counter("blazar_prompt_cache_tokens", "Prompt tokens served from the engine's cache",
                                      ["model"], registry=r)
-        # Per API key, labelled by the key's name (never its secret).
+        # Per API key, labelled by the key's name (never its secret), in a registry of their own: what one key
+        # does is the admin's to see, so only an admin's /metrics includes them.
+        self.key_registry = CollectorRegistry()
+        k = self.key_registry
         self.key_requests = Counter("blazar_key_requests", "Admission verdicts per API key",
-                                    ["key", "outcome"], registry=r)
+                                    ["key", "outcome"], registry=k)
         self.key_token_count = Counter("blazar_key_tokens", "Tokens charged to each API key (prompt + completion)",
-                                       ["key"], registry=r)
-        self.key_leases = Gauge("blazar_key_in_flight", "Requests each API key has in flight", ["key"], registry=r)
+                                       ["key"], registry=k)
+        self.key_leases = Gauge("blazar_key_in_flight", "Requests each API key has in flight", ["key"], registry=k)
         self.windows: dict[str, deque[float]] = {name: deque(maxlen=WINDOW)
                                                  for name in ("ttft", "ttft_warm", "ttft_cold", "tpot")}
         self.prompt_tokens_total = 0
@@ -140,8 +143,11 @@ class Observability:
             self.queue_depth.labels(row["model"]).set(row.get("queued") or 0)
             self.in_flight.labels(row["model"]).set(row.get("in_flight") or 0)
 
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+    def exposition(self, *, per_key: bool = True) -> bytes:
+        """The Prometheus text; `per_key` adds the blazar_key_* families (admins only: a scoped key sees the
+        gateway, not what other keys do)."""
+        text = generate_latest(self.registry)
+        return text + generate_latest(self.key_registry) if per_key else text
 
     def quantiles(self) -> dict[str, Any]:
         def summary(values: deque[float]) -> dict[str, Any]:

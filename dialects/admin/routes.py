@@ -43,22 +43,8 @@ async def console():
 async def metrics():
     services = current_services()
     services.obs.set_residents(await residents(services))
-    exposition = services.obs.exposition()
-    if not caller_is_admin(request.scope):
-        exposition = without_key_series(exposition)
+    exposition = services.obs.exposition(per_key=caller_is_admin(request.scope))  # a scoped key: /api/quantiles
     return Response(exposition, content_type="text/plain; version=0.0.4; charset=utf-8")
-
-
-PER_KEY_FAMILIES = (b"blazar_key_",)
-
-
-def without_key_series(exposition: bytes) -> bytes:
-    """The metrics without the per-key families (their HELP and TYPE lines too): a scoped key sees the
-    gateway, not what other keys do. Its own usage is in /api/quantiles."""
-    kept = [line for line in exposition.split(b"\n")
-            if not any(line.startswith(family) or line.startswith(b"# HELP " + family)
-                       or line.startswith(b"# TYPE " + family) for family in PER_KEY_FAMILIES)]
-    return b"\n".join(kept)
 
 
 @blueprint.get("/api/quantiles")

@@ -69,42 +69,54 @@ async def upload_file():
     data = upload.read()
     try:
         await admit_work(services)
-        await _check_file_quota(services, owner(), len(data))
     except Refusal as error:
         return refuse(error)
+    key = owner()
     file_id = f"file-{secrets.token_hex(12)}"
     path = services.paths.home / "files" / file_id
     await trio.to_thread.run_sync(_write, path, data)
     row = {"id": file_id, "purpose": purpose, "filename": upload.filename or "upload.jsonl", "bytes": len(data),
-           "created": time.time(), "key_name": owner(), "path": str(path)}
-    await services.ledger.execute(
-        "INSERT INTO files (id, purpose, filename, bytes, created, key_name, path) VALUES (?, ?, ?, ?, ?, ?, ?)",
-        tuple(row[k] for k in ("id", "purpose", "filename", "bytes", "created", "key_name", "path")))
+           "created": time.time(), "key_name": key, "path": str(path)}
+    if not await _insert_within_quota(services, row):
+        await trio.to_thread.run_sync(lambda: path.unlink(missing_ok=True))
+        return refuse(await _quota_refusal(services, key, len(data)))
     return json_response(_file_object(row))
 
 
-async def _check_file_quota(services: Services, key: str | None, size: int) -> None:
-    """A key's stored files are bounded in count and bytes (`files_per_key`, `file_storage_per_key_mib`), so
-    one key cannot fill the gateway's disk; an open gateway's files count as one owner's."""
+UNLIMITED = 2**62
+
+
+async def _insert_within_quota(services: Services, row: dict[str, Any]) -> bool:
+    """Record the upload only while its key stays within `files_per_key` and `file_storage_per_key_mib` (an
+    open gateway's files count as one owner's). The check and the insert are one statement in the ledger, so
+    two uploads racing each other cannot both pass a quota that has room for one."""
     config = services.config
-    if key is None:
-        rows = await services.ledger.query("SELECT COUNT(*) AS files, COALESCE(SUM(bytes), 0) AS bytes FROM files "
-                                           "WHERE key_name IS NULL")
-    else:
-        rows = await services.ledger.query("SELECT COUNT(*) AS files, COALESCE(SUM(bytes), 0) AS bytes FROM files "
-                                           "WHERE key_name = ?", (key,))
+    files_cap = config.files_per_key or UNLIMITED
+    bytes_cap = config.file_storage_per_key_mib * 1024 * 1024 or UNLIMITED
+    inserted = await services.ledger.query(
+        "INSERT INTO files (id, purpose, filename, bytes, created, key_name, path) SELECT ?, ?, ?, ?, ?, ?, ? "
+        "WHERE (SELECT COUNT(*) FROM files WHERE key_name IS ?) < ? "
+        "AND (SELECT COALESCE(SUM(bytes), 0) FROM files WHERE key_name IS ?) + ? <= ? RETURNING id",
+        (*(row[k] for k in ("id", "purpose", "filename", "bytes", "created", "key_name", "path")),
+         row["key_name"], files_cap, row["key_name"], row["bytes"], bytes_cap))
+    return bool(inserted)
+
+
+async def _quota_refusal(services: Services, key: str | None, size: int) -> Refusal:
+    """The teaching 429 for an upload over its key's quota, naming the setting it is over."""
+    config = services.config
+    rows = await services.ledger.query("SELECT COUNT(*) AS files, COALESCE(SUM(bytes), 0) AS bytes FROM files "
+                                       "WHERE key_name IS ?", (key,))
     files, stored = int(rows[0]["files"]), int(rows[0]["bytes"])
     whose = f"the API key {key!r}" if key is not None else "this gateway"
-    if config.files_per_key and files + 1 > config.files_per_key:
-        raise Refusal(429, f"{whose} already keeps {files} files; files_per_key allows {config.files_per_key}",
-                      code="file_quota", fix="delete files it no longer needs (DELETE /v1/files/{id}), or raise "
-                      "files_per_key in config.toml")
-    cap = config.file_storage_per_key_mib * 1024 * 1024
-    if cap and stored + size > cap:
-        raise Refusal(429, f"{whose} keeps {stored} bytes of files and this upload adds {size}; "
-                      f"file_storage_per_key_mib allows {config.file_storage_per_key_mib} MiB",
-                      code="file_quota", fix="delete files it no longer needs (DELETE /v1/files/{id}), or raise "
-                      "file_storage_per_key_mib in config.toml")
+    if config.files_per_key and files >= config.files_per_key:
+        return Refusal(429, f"{whose} already keeps {files} files; files_per_key allows {config.files_per_key}",
+                       code="file_quota", fix="delete files it no longer needs (DELETE /v1/files/{id}), or raise "
+                       "files_per_key in config.toml")
+    return Refusal(429, f"{whose} keeps {stored} bytes of files and this upload adds {size}; "
+                   f"file_storage_per_key_mib allows {config.file_storage_per_key_mib} MiB",
+                   code="file_quota", fix="delete files it no longer needs (DELETE /v1/files/{id}), or raise "
+                   "file_storage_per_key_mib in config.toml")
 
 
 def _write(path: Path, data: bytes) -> None:
