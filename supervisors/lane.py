@@ -39,7 +39,7 @@ from typing import Any
 import trio
 
 from blazar.config import Config, parse_duration
-from blazar.engines import EngineError
+from blazar.errors import TeachingError
 from blazar.paths import Paths
 from blazar.store import Store, StoreError
 from blazar.sysinfo import meminfo
@@ -118,15 +118,14 @@ class _Pending:
     replies: list[Any] = field(default_factory=list)
 
 
-def _refusal(error: Exception) -> Err:
-    status = getattr(error, "status", 400)
-    return Err("model_not_found" if status == 404 else "model_unavailable", getattr(error, "message", str(error)),
-               fix=getattr(error, "fix", ""), status=status)
+def _refusal(error: TeachingError) -> Err:
+    return Err("model_not_found" if error.status == 404 else "model_unavailable", error.message, fix=error.fix,
+               status=error.status)
 
 
 class LaneSupervisor(MessageLoop):
-    def __init__(self, lane: Lane, paths: Paths, config: Config, *, ledger: Any = None, obs: Any = None,
-                 placement: PlacementClient | None = None) -> None:
+    def __init__(self, lane: Lane, paths: Paths, config: Config, *, placement: PlacementClient, ledger: Any = None,
+                 obs: Any = None) -> None:
         self.lane = lane
         self.placement = placement
         self.reservations: dict[int, int] = {}  # instance serial -> its placement reservation
@@ -218,13 +217,13 @@ class LaneSupervisor(MessageLoop):
         plan = refusal = available = None
         try:
             plan, available = await trio.to_thread.run_sync(plan_and_measure)
-        except (StoreError, EngineError, PlanRefused) as error:
+        except TeachingError as error:
             refusal = _refusal(error)
         except Exception as error:  # a planning bug is this request's 500, never the lane's crash
             log.exception("planning %s failed", query)
             refusal = Err("internal", f"planning {query} failed: {type(error).__name__}: {error}")
         room = None
-        if plan is not None and self.placement is not None:
+        if plan is not None:
             try:
                 room = await self.placement.reserve(lane=self.lane.kind, lane_mailbox=self.mailbox, model=plan.model,
                                                     size_bytes=plan.size_bytes, gpu=bool(plan.gpu_engine),
@@ -247,7 +246,7 @@ class LaneSupervisor(MessageLoop):
                 result, used = self._place(message.plan, message.request, message.mem_available, room)
                 room = None if used else room  # one reservation starts one child
             answer(reply, result)
-        if room is not None and self.placement is not None:
+        if room is not None:
             self.placement.released(room[0])  # nothing was spawned on it
 
     def _place(self, plan: Any, request: tuple[Any, ...], available: int | None,
@@ -307,32 +306,21 @@ class LaneSupervisor(MessageLoop):
                    "or lower the floor: blazar config set spawn_mem_floor_mib 0", status=507)
 
     def _make_room(self, plan: Any) -> list[trio.Event] | Err:
-        """Stop least recently used idle models until the lane's cap has room for `plan` (and the RAM budget,
-        for a lane run without the placement actor)."""
+        """Stop least recently used idle models until the lane's resident cap has room for `plan` (memory is the
+        placement actor's, reserved before this)."""
         live = [r for r in self.residents.values() if r.state != State.STOPPED]
-        budget = self.config.ram_budget_mib * 1024 * 1024 if self.placement is None else 0
-        if budget and plan.size_bytes > budget:
-            return Err("over_ram_budget", f"{plan.model} ({plan.size_bytes / 2**20:.0f} MiB) is larger than the whole "
-                       f"ram_budget_mib ({self.config.ram_budget_mib} MiB)",
-                       fix=f"raise it: blazar config set ram_budget_mib {plan.size_bytes // 2**20 + 1}", status=507)
-
-        def crowded() -> bool:
-            over_cap = len(live) >= max(1, self.config.max_resident_models)
-            over_budget = bool(budget) and sum(r.plan.size_bytes for r in live) + plan.size_bytes > budget
-            return over_cap or over_budget
-
         gone: list[trio.Event] = []
-        while crowded():
+        while len(live) >= max(1, self.config.max_resident_models):
             idle = [r for r in live if r.state == State.READY]  # ready means nothing in flight or queued
             if not idle:
                 return Err("all_models_busy",
-                           f"{len(live)} resident models fill max_resident_models/ram_budget_mib and every one is busy",
+                           f"{len(live)} resident models fill max_resident_models and every one is busy",
                            fix="retry shortly, or raise the cap: blazar config set max_resident_models "
                            f"{self.config.max_resident_models + 1}", status=503)
             victim = min(idle, key=lambda r: r.last_used)
             live.remove(victim)
             log.info("evicting %s (least recently used) to make room for %s", victim.key, plan.model)
-            self._record("evict", victim.key, reason="resident cap or RAM budget")
+            self._record("evict", victim.key, reason="resident cap")
             tell(victim.mailbox, Stop(reason="evicted: least recently used, to make room"))
             self.draining[victim.serial] = self.residents.pop(victim.key)
             gone.append(victim.gone)
@@ -351,7 +339,6 @@ class LaneSupervisor(MessageLoop):
         if room is not None:
             wait_for = [*wait_for, *room[1]]  # children of any lane the placement evicted for this one
             self.reservations[serial] = room[0]
-            assert self.placement is not None
             self.placement.placed(room[0], serial, gone)
         instance = Instance(plan.model, plan, lane=self.lane, report_to=self.mailbox, keep_alive=keep_alive,
                             obs=self.obs, spawn_timeout=self.config.spawn_timeout_secs, serial=serial, gone=gone,
@@ -401,7 +388,7 @@ class LaneSupervisor(MessageLoop):
         try:
             plan = await trio.to_thread.run_sync(self.lane.plan, self.paths, self.config, message.model,
                                                  message.num_ctx)
-        except (StoreError, EngineError, PlanRefused) as error:
+        except TeachingError as error:
             answer(message.reply, _refusal(error))
             return
         resident_plan, live, mailbox = facts["residents"].get(plan.model, (None, None, None))
@@ -444,7 +431,7 @@ class LaneSupervisor(MessageLoop):
         resident.snapshot = event.snapshot
         resident.last_used = event.snapshot.get("last_used", resident.last_used)
         reservation = self.reservations.get(event.serial)
-        if reservation is not None and self.placement is not None:
+        if reservation is not None:
             if event.state == State.STOPPED:
                 self.placement.released(self.reservations.pop(event.serial))
             else:
