@@ -19,6 +19,7 @@ import signal
 import socket
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import httpcore
 import trio
@@ -63,6 +64,23 @@ class EngineHTTP:
         """An async context manager yielding an httpcore.Response whose `aiter_stream()` relays the body."""
         return self.pool.stream(method, url, content=body, extensions=CONNECT_TIMEOUT,
                                 headers=[(b"content-type", content_type.encode())])
+
+
+T = TypeVar("T")
+
+
+async def once_more_if_stale(attempt: Callable[[], Awaitable[T]], *, may_retry: Callable[[], bool] = lambda: True
+                             ) -> T:
+    """Send a request; if the server had closed the pooled keep-alive connection it went out on (llama-server
+    does after a stream), the request never reached it, so it is sent once more on a new connection. For a
+    stream, `attempt` enters the request's context on an AsyncExitStack (a failed enter leaves nothing there).
+    `may_retry` says whether the server is still there to try again (a child that died is not)."""
+    try:
+        return await attempt()
+    except httpcore.RemoteProtocolError:
+        if not may_retry():
+            raise
+        return await attempt()
 
 
 def header(response: httpcore.Response, name: bytes) -> str:

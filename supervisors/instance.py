@@ -54,6 +54,7 @@ from lanes.child import (
     exit_cause,
     free_port,
     header,
+    once_more_if_stale,
 )
 
 from .actor import Envelope, Err, Ok, answer, tell
@@ -629,18 +630,15 @@ class Instance:
                                                                         trio.ClosedResourceError):
                     await self.mailbox.send(_Finished(ticket=waiter.ticket, clean=clean))
 
+    def _child_alive(self) -> bool:
+        return self.child is not None and self.child.alive
+
     async def _request(self, call: UpstreamCall, url: str) -> tuple[int, bytes, str]:
-        assert self.http is not None
-        for attempt in (1, 2):
-            try:
-                response = await self.http.request(call.method, url, call.body, call.content_type)
-                return response.status, response.content, header(response, b"content-type")
-            except httpcore.RemoteProtocolError:
-                if attempt == 2 or self.child is None or not self.child.alive:
-                    raise
-                # The engine closed a pooled keep-alive connection (it does after a stream): the request never
-                # reached it, so it is safe to send once more on a fresh connection.
-        raise AssertionError("unreachable")
+        http = self.http
+        assert http is not None
+        response = await once_more_if_stale(lambda: http.request(call.method, url, call.body, call.content_type),
+                                            may_retry=self._child_alive)
+        return response.status, response.content, header(response, b"content-type")
 
     async def _exchange(self, waiter: _Waiter, queued_secs: float) -> bool:
         """Relay one request; True when the engine answered without breaking."""
@@ -659,14 +657,9 @@ class Instance:
                     self._observe(waiter, queued_secs, lane.decode(body), first_chunk=None)
                 return True
             async with contextlib.AsyncExitStack() as stack:
-                try:
-                    response = await stack.enter_async_context(
-                        self.http.stream(call.method, url, call.body, call.content_type))
-                except httpcore.RemoteProtocolError:
-                    if self.child is None or not self.child.alive:
-                        raise
-                    response = await stack.enter_async_context(  # a stale pooled connection: once more
-                        self.http.stream(call.method, url, call.body, call.content_type))
+                http = self.http
+                response = await once_more_if_stale(lambda: stack.enter_async_context(
+                    http.stream(call.method, url, call.body, call.content_type)), may_retry=self._child_alive)
                 content_type = header(response, b"content-type")
                 if response.status != 200:
                     body = await response.aread()

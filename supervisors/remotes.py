@@ -39,7 +39,7 @@ import trio
 
 from blazar.fabric_config import PROBE_PATHS, redacted_url
 from lanes import remote as lane
-from lanes.child import TRANSPORT_ERRORS, header
+from lanes.child import TRANSPORT_ERRORS, header, once_more_if_stale
 
 from .actor import Envelope, Err, MessageLoop, Ok, Reply, answer, call
 from .breaker import Breaker, Verdict
@@ -266,14 +266,9 @@ class RemotePeer(MessageLoop):
         usage = message.on_usage
         try:
             if not message.call.stream:
-                try:
-                    response = await self.pool.request(message.call.method, url, content=body or None,
-                                                       headers=headers, extensions=self._extensions())
-                except httpcore.RemoteProtocolError:
-                    # The peer closed a pooled keep-alive connection (llama-server does after a stream) before
-                    # reading this request: it never reached the peer, so it is sent once more on a new one.
-                    response = await self.pool.request(message.call.method, url, content=body or None,
-                                                       headers=headers, extensions=self._extensions())
+                pool = self.pool
+                response = await once_more_if_stale(lambda: pool.request(
+                    message.call.method, url, content=body or None, headers=headers, extensions=self._extensions()))
                 reply = self._reply(response.status, response.content, header(response, b"content-type"))
                 if isinstance(reply, Err):
                     answer(message.reply, reply)
@@ -284,12 +279,9 @@ class RemotePeer(MessageLoop):
                 failed = broken_answer(reply.status)
                 return not failed, f"{self.entry.name} answered {reply.status}" if failed else ""
             async with contextlib.AsyncExitStack() as stack:
-                try:
-                    response = await stack.enter_async_context(self.pool.stream(
-                        message.call.method, url, content=body, headers=headers, extensions=self._extensions()))
-                except httpcore.RemoteProtocolError:  # a stale pooled connection, as above: once more
-                    response = await stack.enter_async_context(self.pool.stream(
-                        message.call.method, url, content=body, headers=headers, extensions=self._extensions()))
+                pool = self.pool
+                response = await once_more_if_stale(lambda: stack.enter_async_context(pool.stream(
+                    message.call.method, url, content=body, headers=headers, extensions=self._extensions())))
                 if response.status != 200:
                     reply = self._reply(response.status, await response.aread(), header(response, b"content-type"))
                     answer(message.reply, reply if isinstance(reply, Err) else Ok(reply))
