@@ -153,17 +153,8 @@ async def run_gateway(
         lane = lanes["llamacpp"]  # the text lane: what routes without a lane of their own serve
         requests = RequestsClient(await root.start(partial(supervise, RequestRegistry, mailbox_size=4096)))
         sessions = SessionsClient(await root.start(partial(
-            supervise, lambda: SessionSupervisor(config.realtime_sessions_per_key), mailbox_size=1024)))
-
-        async def drain_sessions() -> None:
-            """At the first signal, every open session says goodbye and closes, so the HTTP drain ends."""
-            await shutdown.wait()
-            with trio.move_on_after(2):
-                closing = await sessions.drain("the gateway is shutting down")
-                if closing:
-                    log.info("draining: %d session(s) told to close", closing)
-
-        root.start_soon(drain_sessions)
+            supervise, lambda: SessionSupervisor(config.realtime_sessions_per_key, drain_on=shutdown),
+            mailbox_size=1024)))
         responses = ResponsesClient(await root.start(partial(supervise, lambda: ResponseStore(ledger, clock=clock))))
         services = Services(paths=paths, config=config, ledger=ledger, registry=registry,
                             engine_identity=Roster(paths).identity, lane=lane, requests=requests, obs=obs,

@@ -12,7 +12,8 @@ Lifecycle of one session (only this loop changes the table):
   nursery and answers a `Ticket` (id, stop, done). The WebSocket route waits on `done`; if the route itself
   is cancelled (the client vanished), it cancels the ticket's scope.
 - Per key at most `per_key` sessions (0: no cap); over it, 429. While draining, 503.
-- `Drain` (the gateway's first SIGINT/SIGTERM) sets every session's `stop`; the sessions say goodbye and
+- `Drain` (sent by its own watcher when the gateway's drain event fires: the first SIGINT/SIGTERM) sets every
+  session's `stop`; the sessions say goodbye and
   close, so the HTTP server's own drain is not left waiting on open sockets.
 """
 
@@ -77,14 +78,21 @@ class _Live:
 class SessionSupervisor(MessageLoop):
     name = "sessions"
 
-    def __init__(self, per_key: int) -> None:
+    def __init__(self, per_key: int, *, drain_on: trio.Event | None = None) -> None:
         self.per_key = per_key
+        self.drain_on = drain_on  # the gateway's drain (its first SIGINT/SIGTERM): every session is told to close
         self.live: dict[str, _Live] = {}
         self.draining = ""
         self._ids = itertools.count(1)
 
     async def on_start(self, nursery: trio.Nursery) -> None:
         self.nursery = nursery
+        if self.drain_on is not None:
+            nursery.start_soon(self._drain_when, self.drain_on)
+
+    async def _drain_when(self, event: trio.Event) -> None:
+        await event.wait()
+        await self.mailbox.send(Drain(reason="the gateway is shutting down"))
 
     async def handle(self, message: Envelope) -> Reply | None:
         match message:
@@ -102,6 +110,8 @@ class SessionSupervisor(MessageLoop):
                     live.state = "stopping"
                     live.ticket.reason = reason
                     live.ticket.stop.set()
+                if self.live:
+                    log.info("draining: %d session(s) told to close", len(self.live))
                 return Ok(len(self.live))
         return Err("unknown_op", f"sessions does not understand {type(message).__name__}")
 
@@ -149,6 +159,3 @@ class SessionsClient:
 
     async def list(self, viewer: str | None = None) -> list[dict[str, Any]]:
         return await call(self.mailbox, lambda r: List(reply=r, viewer=viewer))
-
-    async def drain(self, reason: str) -> int:
-        return await call(self.mailbox, lambda r: Drain(reply=r, reason=reason))
