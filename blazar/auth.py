@@ -100,10 +100,9 @@ class KeyGate:
         self.table = table
         self.release: Callable[[int], Awaitable[None]] | None = None
         self.throttle = FailureThrottle(failures_per_minute)
-        # scrypt (16 MiB, ~50 ms) runs one at a time for the whole gateway, on a thread of its own: a burst of
-        # keys to verify queues here instead of filling the shared worker pool and memory.
+        # scrypt (16 MiB, ~50 ms) runs one at a time for the whole gateway: a burst of keys to verify queues
+        # here, holding one worker thread at most, instead of filling the shared worker pool and memory.
         self.scrypt = trio.CapacityLimiter(1)
-        self.scrypt_thread = trio.CapacityLimiter(1)
 
     def weight_of(self, name: str | None) -> int:
         """A key's fair-queueing share (1 for an unknown or removed key, and on an open gateway)."""
@@ -127,7 +126,7 @@ async def identify(gate: KeyGate, table: KeyTable, secret: str, address: str = "
         async with gate.scrypt:
             if gate.throttle.blocked_for(address):
                 return None  # it failed too often while it waited: no scrypt run for it
-            record = await trio.to_thread.run_sync(table.verify_slow, secret, owed, limiter=gate.scrypt_thread)
+            record = await trio.to_thread.run_sync(table.verify_slow, secret, owed)
     return record
 
 

@@ -23,7 +23,7 @@ undone halfway and a child nobody holds would run unsupervised until the gateway
 trio's public API only (trio.Process has no public constructor from a Popen).
 
 Every child gets its own process group (a stop reaches the child's own children, and a terminal's Ctrl-C
-reaches the gateway, which decides). The boot sweep of child pidfiles (`blazar.engines.sweep_orphans`)
+reaches the gateway, which decides). The boot sweep of child pidfiles (`blazar.orphans.sweep_orphans`)
 stays as the second line of defence, for a child whose own children escaped its group.
 """
 

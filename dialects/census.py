@@ -8,11 +8,16 @@ import re
 from quart_trio import QuartTrio
 
 
+def spelled(rule: str) -> str:
+    """A router rule as the API spells it: `/v1/jobs/<job_id>` -> `/v1/jobs/{job_id}`."""
+    return re.sub(r"<(?:[^:>]+:)?([^>]+)>", r"{\1}", rule)
+
+
 def route_census(app: QuartTrio) -> list[tuple[str, str]]:
     """(METHOD, /path/{param}) for every route the live router serves."""
     census = set()
     for rule in app.url_map.iter_rules():
-        path = re.sub(r"<(?:[^:>]+:)?([^>]+)>", r"{\1}", rule.rule)
+        path = spelled(rule.rule)
         for method in rule.methods or ():
             if method not in ("HEAD", "OPTIONS"):
                 census.add((method, path))

@@ -72,7 +72,7 @@ def refuse(error: TeachingError) -> Response:
     from quart import request
 
     if not isinstance(error, Refusal):
-        error = Refusal(getattr(error, "status", 400), error.message, fix=getattr(error, "fix", ""))
+        error = Refusal(error.status, error.message, fix=error.fix)
     return error.response(request.path)
 
 
@@ -187,23 +187,27 @@ async def unload_anywhere(services: Services, model: str) -> dict[str, Any]:
     raise first
 
 
-async def admit_request(services: Services, model: str, charge: str = "tokens") -> Callable[[int], None] | None:
-    """Per-key limits, once per request (a route may reach the engine more than once). The lease goes
-    back in the auth middleware when the response has drained (for a job's work: when `acting_for` ends).
-    Returns where the engine's token counts are charged, or None on an open gateway."""
+async def admit_request(services: Services, model: str, charge: str = "tokens", *,
+                        scope: Any = None) -> Callable[[int], None] | None:
+    """Per-key limits, once per request (a route may reach the engine more than once) or WebSocket connection
+    (`scope`: its ASGI scope). The lease goes back in the auth middleware when the response has drained or the
+    connection ended (for a job's work: when `acting_for` ends). Returns where the engine's token counts are
+    charged, or None on an open gateway."""
     from quart import has_request_context, request
 
-    if not has_request_context():
-        return await _admit_principal(services, model, charge)
-    if not request.scope.get("blazar.auth") or services.admission is None:
+    if scope is None:
+        if not has_request_context():
+            return await _admit_principal(services, model, charge)
+        scope = request.scope
+    if not scope.get("blazar.auth") or services.admission is None:
         return None
-    record = key_record(request.scope)
+    record = key_record(scope)
     if record is None:
         return None
     admission = services.admission
-    if "blazar.lease" not in request.scope:
+    if "blazar.lease" not in scope:
         try:
-            blazar_scope(request.scope)["blazar.lease"] = await admission.admit(record.name, model, charge)
+            blazar_scope(scope)["blazar.lease"] = await admission.admit(record.name, model, charge)
         except ActorError as error:
             raise Refusal.from_err(error.err) from None
         except ActorUnavailable as error:
@@ -520,10 +524,10 @@ async def count_input_tokens(services: Services, model: str, chat: dict[str, Any
     """What a chat prompt really costs, counted the model's lane's way on its own child. (The metrics' model label
     is set by ensure_model once the model resolved, never from the client's spelling.)"""
     on_usage = await admit_request(services, model)
-    remote = remote_of(services, model)
-    if remote is not None:  # counted on the peer's own child (a Blazar peer serves the native routes)
+    target = where(services, model)
+    if target.kind == "remote":  # counted on the peer's own child (a Blazar peer serves the native routes)
         async def ask_peer(method: str, path: str, body: bytes) -> tuple[int, bytes]:
-            reply = buffered(await _forward_remote(services, remote[0], remote[1], UpstreamCall(
+            reply = buffered(await _forward_remote(services, target.peer, target.name, UpstreamCall(
                 method=method, path=path, body=body), headers, on_usage))
             return reply.status, reply.body
 

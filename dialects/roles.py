@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from quart import Response, has_websocket_context, request, websocket
 
+from .census import spelled
 from .current import blazar_scope, key_record
 from .edge import Refusal
 
@@ -112,9 +113,7 @@ def install(app: Any) -> None:
 def roles_by_route(app: Any) -> dict[tuple[str, str], str]:
     """{(METHOD, /path/{param}): role} in the manifest's spelling of a route (a WebSocket route is the GET of
     its handshake there)."""
-    import re
-
-    return {("GET" if method == "WEBSOCKET" else method, re.sub(r"<(?:[^:>]+:)?([^>]+)>", r"{\1}", rule)): declared
+    return {("GET" if method == "WEBSOCKET" else method, spelled(rule)): declared
             for method, rule, declared in census(app)}
 
 

@@ -33,9 +33,8 @@ class PiperLane(SpeechLane):
         return SpeechPlan(model=query, model_path=voice, binary=Path(sys.executable), engine_tag=f"piper-{version}",
                           size_bytes=voice.stat().st_size)
 
-    def argv(self, plan: SpeechPlan, port: int) -> list[str]:
-        return [str(plan.binary), "-m", "lanes.engines.piper_server", "--voice", str(plan.model_path),
-                "--port", str(port)]
+    engine_module = "lanes.engines.piper_server"
+    model_flag = "--voice"
 
     def list_models(self, paths: Any) -> list[dict[str, Any]]:
         engine = f"piper-{package_version('piper-tts')}"

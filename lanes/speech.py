@@ -37,7 +37,8 @@ class SpeechPlan:
 
 class SpeechLane:
     """The part of the Lane protocol both speech lanes answer the same way; each lane's module adds `plan`,
-    `argv` and `capabilities`."""
+    `list_models`, `capabilities` and what its engine child is (`engine_module`, `model_flag`,
+    `engine_flags`)."""
 
     kind = ""
     health_path = HEALTH_PATH
@@ -67,8 +68,17 @@ class SpeechLane:
     def decode(self, body: bytes) -> dict[str, Any]:
         return {}  # no generation paths: never asked
 
+    # What each speech lane's module declares of its engine child: the module run with `python -m`, the flag
+    # that names the model file or folder, and any flags of its own (`engine_flags`).
+    engine_module = ""
+    model_flag = ""
+
+    def engine_flags(self, plan: SpeechPlan) -> list[str]:
+        return []
+
     def argv(self, plan: SpeechPlan, port: int) -> list[str]:
-        raise NotImplementedError  # each speech lane's module says how its engine is started
+        return [str(plan.binary), "-m", self.engine_module, self.model_flag, str(plan.model_path),
+                "--port", str(port), *self.engine_flags(plan)]
 
     def error_text(self, body: bytes) -> str:
         try:

@@ -35,9 +35,11 @@ class WhisperLane(SpeechLane):
                           engine_tag=f"faster-whisper-{version}", size_bytes=folder_size(folder),
                           threads=os.cpu_count())
 
-    def argv(self, plan: SpeechPlan, port: int) -> list[str]:
-        return [str(plan.binary), "-m", "lanes.engines.whisper_server", "--model", str(plan.model_path),
-                "--port", str(port), "--threads", str(plan.threads or 0)]
+    engine_module = "lanes.engines.whisper_server"
+    model_flag = "--model"
+
+    def engine_flags(self, plan: SpeechPlan) -> list[str]:
+        return ["--threads", str(plan.threads or 0)]
 
     def list_models(self, paths: Any) -> list[dict[str, Any]]:
         engine = f"faster-whisper-{package_version('faster-whisper')}"

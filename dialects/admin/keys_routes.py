@@ -23,21 +23,18 @@ def _json(payload: Any, status: int = 200) -> Response:
 
 
 def _manager_refusal() -> Refusal | None:
-    """Only unscoped keys manage; an open gateway refuses management, except from the CLI on this
-    machine (its token proves it can read $BLAZAR_HOME, which already holds config.toml)."""
+    """These routes are admin-only (dialects/roles.py refuses a scoped key before they run). On an open gateway
+    everyone is the admin, so management is refused there, except from the CLI on this machine (its token
+    proves it can read $BLAZAR_HOME, which already holds config.toml)."""
+    if request.scope.get("blazar.auth"):
+        return None
     record = key_record(request.scope)
-    if not request.scope.get("blazar.auth"):
-        if record is not None and record.source == "local":
-            return None
-        return Refusal(403, "this gateway has no API keys, so anyone who can reach it could manage them: key "
-                       "management is refused while it is open",
-                       fix="create the first key on the machine that runs blazar serve: blazar keys add NAME "
-                       "(it prints the secret once); see docs/keys.md")
-    if record is None or not record.admin:
-        scope = ", ".join(record.models) if record is not None else ""
-        return Refusal(403, f"the key {record.name if record else ''!r} is scoped to models ({scope}); only "
-                       "unscoped keys (no models list) manage keys", fix="use an unscoped (admin) key")
-    return None
+    if record is not None and record.source == "local":
+        return None
+    return Refusal(403, "this gateway has no API keys, so anyone who can reach it could manage them: key "
+                   "management is refused while it is open",
+                   fix="create the first key on the machine that runs blazar serve: blazar keys add NAME "
+                   "(it prints the secret once); see docs/keys.md")
 
 
 def _name_arg() -> str:

@@ -19,8 +19,8 @@ from quart import Blueprint, websocket
 from blazar import audio_models
 from blazar.pcm import resample
 from dialects.chat_core import run_chat
-from dialects.current import blazar_scope, current_services
-from dialects.edge import Refusal, acting_for, forward, owner
+from dialects.current import current_services
+from dialects.edge import Refusal, acting_for, admit_request, forward, owner
 from dialects.roles import Role, role
 from supervisors.actor import ActorError
 from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply
@@ -87,8 +87,11 @@ async def realtime():
     settings = Settings(model=websocket.args.get("model") or DEFAULT_CHAT, voice=voice,
                         stt_model=websocket.args.get("stt_model") or "whisper-1")
     key = owner(websocket.scope)
-    refusal = await _admit_session(services, key)
-    if refusal is not None:
+    try:
+        # Admitted like a request of its key (rpm, and a max_concurrent place held while the connection is open);
+        # each turn's stages are then admitted and charged on their own.
+        await admit_request(services, "", "requests", scope=websocket.scope)
+    except Refusal as refusal:
         return refusal.response(websocket.path)
     connection = websocket._get_current_object()  # the work runs in the session supervisor's task
     session = RealtimeSession(settings, GatewayPipeline(services, key, settings.model),
@@ -110,16 +113,3 @@ async def realtime():
             ticket.scope.cancel()  # the client vanished: its session ends with its connection
     with trio.move_on_after(2):
         await websocket.close(1001 if ticket.stop.is_set() else 1000, ticket.reason[:120])
-
-
-async def _admit_session(services: Services, key: str | None) -> Refusal | None:
-    """The connection is admitted like a request of its key (rpm, and a max_concurrent place held for as long
-    as it is open: the auth middleware gives the lease back when the connection ends); each turn's stages are
-    then admitted and charged on their own."""
-    if key is None or services.admission is None:
-        return None
-    try:
-        blazar_scope(websocket.scope)["blazar.lease"] = await services.admission.admit(key, "", "requests")
-    except ActorError as error:
-        return Refusal.from_err(error.err)
-    return None
