@@ -48,6 +48,13 @@ async def until_noticed(client: httpx.AsyncClient, pid: int) -> None:
         await trio.sleep(0.02)
 
 
+async def engine_is_decoding(client: httpx.AsyncClient) -> bool:
+    """The engine's own slot table (`GET /slots`, relayed by the gateway) says a request is being processed."""
+    reply = await client.get("/slots", params={"model": MODEL})
+    assert reply.status_code == 200, reply.text
+    return any(slot.get("is_processing") for slot in reply.json())
+
+
 def kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
@@ -135,7 +142,10 @@ async def test_a_buffered_answer_cut_by_a_kill_is_a_502_naming_the_crash(nursery
 
             async with trio.open_nursery() as inner:
                 inner.start_soon(buffered)
-                while not (await ps(operator))[0]["in_flight"]:  # noqa: ASYNC110 - the answer is being generated
+                # Wait until the engine itself is decoding this request: the gateway's in_flight count rises
+                # before the request reaches the child, and a request that never reached a killed child is
+                # rightly placed again on a fresh one (that would be a 200 here, not the cut this test is about).
+                while not await engine_is_decoding(operator):  # noqa: ASYNC110 - polling the engine's slots
                     await trio.sleep(0.02)
                 kill(pid)
             reply = outcome["reply"]

@@ -176,7 +176,9 @@ async def test_a_buffered_client_that_hangs_up_frees_its_slot(nursery, lane_home
 
             async with trio.open_nursery() as inner:
                 inner.start_soon(impatient)
-                while (await ps(client))[0]["in_flight"] == 0:  # noqa: ASYNC110 - until the engine has it
+                # Until the engine itself is decoding it (the gateway's in_flight rises before the request
+                # reaches the child).
+                while not any(s.get("is_processing") for s in (await client.get("/slots")).json()):  # noqa: ASYNC110
                     await trio.sleep(0.02)
                 leaving.cancel()  # the client hangs up mid-answer
             while (await ps(client))[0]["in_flight"]:  # noqa: ASYNC110 - the slot is freed without the answer
