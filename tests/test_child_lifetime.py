@@ -241,6 +241,110 @@ async def test_a_sigkilled_gateway_takes_every_child_with_it(speech_home: Paths,
     assert [row["status"] for row in again if row["check"] == "orphans"] == ["ok"]
 
 
+def ffmpeg_children(pid: int) -> set[int]:
+    """The children of `pid` that run ffmpeg."""
+    found = set()
+    for child in children_of(pid):
+        try:
+            argv0 = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0", 1)[0]
+        except OSError:
+            continue  # it exited while we looked
+        if Path(argv0.decode(errors="replace")).name == "ffmpeg":
+            found.add(child)
+    return found
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` still runs (a zombie nobody reaped yet does not count)."""
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # it exited while we looked
+        if fields[0] != "Z" and int(fields[2]) == pgid:  # after "(comm)": state, ppid, pgrp
+            return True
+    return False
+
+
+@pytest.mark.engine
+async def test_a_sigkilled_gateway_takes_a_live_transcode_with_it(speech_home: Paths, tmp_path: Path):
+    """ffmpeg is a child like an engine (supervisors.transcode): SIGKILL the gateway while a streamed mp3 is
+    being encoded, and the ffmpeg goes with it; the next boot finds nothing of it, not even its pidfile. The
+    test holds ffmpeg's pipes open meanwhile, so the gateway's ends closing (EOF, EPIPE) cannot end it: only
+    its death signal can, as for an encoder that is stuck or would otherwise run on."""
+    if shutil.which("ffmpeg") is None:
+        pytest.fail("ffmpeg is not installed: ./scripts/test installs it")
+    long_text = " ".join(f"This is sentence number {n}, spoken to keep the encoder busy." for n in range(60))
+    children_dir = speech_home.run / "children"
+    server = ServeProcess(speech_home, tmp_path / "serve.log", "--bind", "127.0.0.1:0")
+    held: list[int] = []
+    try:
+        with trio.fail_after(180):
+            info = await server.start()
+            async with httpx.AsyncClient(base_url=info["url"], timeout=120) as client, client.stream(
+                    "POST", "/v1/audio/speech", json={"model": VOICE, "voice": "alloy", "input": long_text,
+                                                      "response_format": "mp3", "stream": True}) as response:
+                assert response.status_code == 200, await response.aread()
+                encoder = None
+                while encoder is None or not (children_dir / f"{encoder}.json").exists():  # spawned, recorded
+                    await trio.sleep(0.05)
+                    encoder = min(ffmpeg_children(info["pid"]), default=None)
+                assert len(ffmpeg_children(info["pid"])) == 1
+                record = json.loads((children_dir / f"{encoder}.json").read_text())
+                assert record["model"] == "ffmpeg" and record["gateway_pid"] == info["pid"]
+                held += [os.open(f"/proc/{encoder}/fd/0", os.O_WRONLY | os.O_NONBLOCK),  # its stdin, and
+                         os.open(f"/proc/{encoder}/fd/1", os.O_RDONLY | os.O_NONBLOCK)]  # its stdout
+                os.kill(info["pid"], signal.SIGKILL)  # mid-transcode: ffmpeg is in a process group of its own
+        assert await server.wait() == -signal.SIGKILL
+        await all_gone({encoder})
+        assert not group_alive(encoder), "a process of ffmpeg's group outlived the gateway"
+    finally:
+        server.kill()
+        for fd in held:
+            os.close(fd)
+
+    speech_home.daemon_file.unlink(missing_ok=True)  # the dead gateway's: ServeProcess.start waits for a new one
+    booted = ServeProcess(speech_home, tmp_path / "serve2.log", "--bind", "127.0.0.1:0")
+    try:
+        with trio.fail_after(60):
+            again = await booted.start()
+        assert again["pid"] != info["pid"]
+        assert not pid_alive(encoder) and not group_alive(encoder)
+        assert not ffmpeg_children(again["pid"])
+        assert not list(children_dir.iterdir())  # the boot sweep took every pidfile the dead gateway left
+    finally:
+        booted.kill()
+
+
+@pytest.mark.engine
+async def test_a_client_hanging_up_stops_its_live_transcode(speech_home: Paths, tmp_path: Path):
+    """The other way a live transcode ends early: the client leaves mid-stream, and its ffmpeg is stopped and
+    reaped, its pidfile removed, while the gateway serves on."""
+    long_text = " ".join(f"This is sentence number {n}, spoken to keep the encoder busy." for n in range(60))
+    children_dir = speech_home.run / "children"
+    server = ServeProcess(speech_home, tmp_path / "serve.log", "--bind", "127.0.0.1:0")
+    try:
+        with trio.fail_after(180):
+            info = await server.start()
+            async with httpx.AsyncClient(base_url=info["url"], timeout=120) as client:
+                async with client.stream("POST", "/v1/audio/speech", json={
+                        "model": VOICE, "voice": "alloy", "input": long_text, "response_format": "mp3",
+                        "stream": True}) as response:
+                    assert response.status_code == 200, await response.aread()
+                    async for _ in response.aiter_bytes():
+                        break  # ffmpeg has produced something: it is live
+                    while not (encoders := ffmpeg_children(info["pid"])):  # noqa: ASYNC110 - another process
+                        await trio.sleep(0.05)
+                (encoder,) = encoders
+                with trio.fail_after(10):  # the client left with the stream context
+                    while (children_dir / f"{encoder}.json").exists():  # noqa: ASYNC110 - the gateway's file
+                        await trio.sleep(0.05)
+                assert not await trio.Path(f"/proc/{encoder}").exists()  # stopped and reaped (before its pidfile went)
+                assert (await client.get("/health")).status_code == 200
+    finally:
+        server.kill()
+
+
 @pytest.mark.engine
 async def test_a_sigkilled_rpc_serve_takes_its_rpc_server_with_it(tmp_path: Path, shared_engine):
     from tests.test_rpc import RpcWorkerProcess

@@ -1,6 +1,7 @@
 """OpenAI audio routes on the whisper and piper lanes: transcriptions and translations (buffered, streamed
 as SSE window by window, or async as a job), speech (WAV, streamed PCM, lossy formats through the system
-ffmpeg), the voice menu and the capabilities card. Mailboxes: decode, check, one call into a lane."""
+ffmpeg in supervisors.transcode), the voice menu and the capabilities card. Mailboxes: decode, check, one
+call into a lane."""
 
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ import msgspec
 import trio
 from quart import Blueprint, Response, request
 
-from blazar import audio_models, childproc
-from blazar.pcm import pcm_to_wav
+from blazar import audio_models
 from dialects.current import current_blazar, current_services, required
 from dialects.edge import (
     Refusal,
@@ -37,6 +37,7 @@ from dialects.edge import (
 )
 from dialects.roles import Role, role
 from dialects.wire import RequestError, decode_object
+from supervisors import transcode
 from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply
 from supervisors.jobs import JobContext, JobFailed
 from supervisors.services import Services
@@ -46,13 +47,10 @@ from . import audio_translate as t
 blueprint = Blueprint("audio", __name__)
 log = logging.getLogger("blazar.audio")
 
-FFMPEG_SECS = 60.0
 KEEPALIVE_SECS = 15.0
 SEARCH_SECS = 20.0
 MIME = {"wav": "audio/wav", "pcm": "audio/pcm", "mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac",
         "flac": "audio/flac"}
-FFMPEG_FORMAT = {"mp3": ["-f", "mp3"], "opus": ["-c:a", "libopus", "-f", "ogg"], "aac": ["-f", "adts"],
-                 "flac": ["-f", "flac"]}
 
 
 # ------------------------------------------------------------------ speech to text
@@ -344,15 +342,6 @@ async def speech_voice(services: Services, body: dict[str, Any]) -> str:
                   fix="model = a piper voice id, e.g. en_US-joe-medium (blazar pull en_US-joe-medium)")
 
 
-def _ffmpeg(pcm_rate: int, fmt: str, *, wav: bool = False) -> list[str]:
-    binary = shutil.which("ffmpeg")
-    if binary is None:
-        raise Refusal(400, f"response_format {fmt} needs ffmpeg, which is not installed on the gateway's machine",
-                      fix="use response_format wav or pcm, or install ffmpeg (apt-get install ffmpeg)")
-    source = ["-f", "wav"] if wav else ["-f", "s16le", "-ar", str(pcm_rate), "-ac", "1"]
-    return [binary, "-hide_banner", "-loglevel", "error", *source, "-i", "pipe:0", *FFMPEG_FORMAT[fmt], "pipe:1"]
-
-
 @blueprint.post("/v1/audio/speech")
 @role(Role.KEY)
 async def speech():
@@ -365,7 +354,7 @@ async def speech():
         voice = await speech_voice(services, body)
         fmt, stream = speech_request["format"], speech_request["stream"]
         if fmt in t.LOSSY:
-            _ffmpeg(0, fmt)  # refused before anything loads when ffmpeg is missing
+            transcode.ffmpeg_binary(fmt)  # refused before anything loads when ffmpeg is missing
         raw = fmt != "wav"  # everything but a WAV starts as the voice's raw PCM, sentence by sentence
         result = await forward(services, voice, UpstreamCall(
             path="/synthesize", body=msgspec.json.encode({**speech_request["options"], "raw": raw}), stream=raw),
@@ -377,15 +366,17 @@ async def speech():
             return Response(result.body, content_type=MIME["wav"], headers=headers)
         rate = await trio.to_thread.run_sync(_voice_rate, services, voice)
         headers["x-sample-rate"] = str(rate)
+        children = services.paths.run / "children"  # ffmpeg's pidfile, as an engine's: the boot sweep reads it
         if fmt == "pcm":
             streamed = Response(_pcm_chunks(result), content_type=MIME["pcm"], headers=headers)
         elif stream:
-            streamed = Response(_live_transcode(result, _ffmpeg(rate, fmt)), content_type=MIME[fmt], headers=headers)
+            live = transcode.live(current_blazar().nursery, result, rate, fmt, children=children)
+            streamed = Response(live, content_type=MIME[fmt], headers=headers)
         else:
             pcm = b"".join([chunk async for chunk in _pcm_chunks(result)])
-            encoded = await _transcode(_ffmpeg(rate, fmt, wav=True), pcm_to_wav(pcm, rate))
+            encoded = await transcode.encode(pcm, rate, fmt, children=children)
             return Response(encoded, content_type=MIME[fmt], headers=headers)
-    except (RequestError, Refusal) as error:
+    except (RequestError, Refusal, transcode.TranscodeFailed) as error:
         return refuse(error)
     streamed.timeout = None
     return streamed
@@ -446,54 +437,6 @@ async def _pcm_chunks(stream: Any) -> AsyncIterator[bytes]:
 def _voice_rate(services: Services, voice: str) -> int:
     config = json.loads(audio_models.voice_file(services.paths, voice).with_suffix(".onnx.json").read_text())
     return int((config.get("audio") or {}).get("sample_rate") or 22050)
-
-
-async def _transcode(argv: list[str], wav_bytes: bytes) -> bytes:
-    with trio.move_on_after(FFMPEG_SECS) as budget:
-        done = await childproc.run(argv, input=wav_bytes)
-    if budget.cancelled_caught:
-        raise Refusal(504, f"ffmpeg did not finish within {FFMPEG_SECS:g} s", fix="send shorter text per request")
-    if done.returncode != 0 or not done.stdout:
-        raise Refusal(502, f"ffmpeg failed ({done.returncode}): {done.stderr.decode(errors='replace')[-400:]}",
-                      fix="use response_format wav or pcm")
-    return done.stdout
-
-
-def _live_transcode(stream: Any, argv: list[str]) -> AsyncIterator[bytes]:
-    """Sentence PCM into one ffmpeg pipe, encoded bytes out as ffmpeg produces them. The pipe is a task of the
-    app's nursery; the response relays what it hands over a bounded channel, and a client that hangs up
-    closes the channel, which stops ffmpeg and the upstream synthesis."""
-    send, receive = trio.open_memory_channel[bytes](16)
-
-    async def pipe() -> None:
-        process = await childproc.spawn(argv, stdin=childproc.PIPE, stdout=childproc.PIPE)
-        try:
-            async with send, trio.open_nursery() as nursery:
-                async def feed() -> None:
-                    assert process.stdin is not None  # spawned with a pipe on each side
-                    async with process.stdin:
-                        async for pcm in _pcm_chunks(stream):
-                            await process.stdin.send_all(pcm)
-
-                nursery.start_soon(feed)
-                assert process.stdout is not None
-                while data := await process.stdout.receive_some(65536):
-                    await send.send(data)
-        except* (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # the client left, or ffmpeg closed its end
-        except* Exception:  # a task of the app's nursery must never take the app down
-            log.exception("live transcoding failed")
-        finally:
-            await childproc.stop(process)
-
-    current_blazar().nursery.start_soon(pipe)
-
-    async def relay() -> AsyncIterator[bytes]:
-        with receive:
-            async for data in receive:
-                yield data
-
-    return relay()
 
 
 # ------------------------------------------------------------------ menus
