@@ -6,7 +6,7 @@ preflights (a browser sends those without credentials; the CORS layer answers th
 runs). WebSocket handshakes are checked the same way.
 
 The key the request proved is left in the ASGI scope (`blazar.key`) for admission; the admission
-lease a route takes (`blazar.lease`) is given back here when the app returns, which is after the
+leases a route's caller takes (`blazar.leases`) are given back here when the app returns, which is after the
 response body has drained, streams included.
 
 Hostile input stays cheap: a hashed key's scrypt runs only after its lookup digest matched (see
@@ -191,7 +191,8 @@ class Auth:
         try:
             await self.app(scope, receive, send)
         finally:
-            lease = scope.pop("blazar.lease", None)
-            if lease is not None and self.gate.release is not None:
+            leases = scope.pop("blazar.leases", None)  # a supervisors.caller.LeaseBook, once a route admitted
+            if leases is not None and leases.held and self.gate.release is not None:
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
-                    await self.gate.release(lease)
+                    for lease in leases.held:
+                        await self.gate.release(lease)

@@ -19,13 +19,13 @@ from typing import Any
 import msgspec
 import trio
 
+from supervisors.caller import Caller
 from supervisors.jobs import JobContext
 from supervisors.services import Services
 
 from .edge import Refusal, acting_for
 from .wire import RequestError
 
-LOW_PRIORITY = {"x-blazar-priority": "low"}
 BUSY_PAUSE_SECS = 2.0
 RETENTION_SECS = 24 * 3600
 
@@ -40,11 +40,12 @@ class ItemFailed(Exception):
         self.message = message
 
 
-ItemWork = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+# One item's work, done as the batch owner's caller (admitted and charged per item, at low priority).
+ItemWork = Callable[[dict[str, Any], Caller], Awaitable[dict[str, Any]]]
 
 
 async def run_items(services: Services, ctx: JobContext, items: list[dict[str, Any]], work: ItemWork) -> dict[str, Any]:
-    """Run every item not done yet; returns the request counts. `work(item)` answers the item's body or raises
+    """Run every item not done yet; returns the request counts. `work(item, caller)` answers the item's body or raises
     ItemFailed / RequestError / Refusal."""
     done = {row["idx"]: row["outcome"] for row in await services.ledger.query(
         "SELECT idx, outcome FROM batch_items WHERE job_id = ?", (ctx.id,))}
@@ -67,8 +68,8 @@ async def run_items(services: Services, ctx: JobContext, items: list[dict[str, A
 async def _one(services: Services, ctx: JobContext, item: dict[str, Any], work: ItemWork) -> tuple[str, dict[str, Any]]:
     while True:
         try:
-            async with acting_for(services, ctx.key):
-                return "succeeded", await work(item)
+            async with acting_for(services, ctx.key, trace_id=ctx.id) as who:
+                return "succeeded", await work(item, who)
         except Refusal as refusal:
             if refusal.code == "all_slots_busy":
                 await trio.sleep(BUSY_PAUSE_SECS)  # it never reached the engine: wait for a slot, try again

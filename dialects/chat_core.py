@@ -21,6 +21,7 @@ import msgspec
 
 from dialects.edge import Refusal, buffered, engine_failure, forward
 from dialects.wire import SSEParser, ThinkFilter, bridge_reasoning, data_of, strip_think_buffered, thinking_requested
+from supervisors.caller import Caller
 from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply, UpstreamStream
 from supervisors.services import Services
 
@@ -142,7 +143,7 @@ async def tool_call_chunks(payload: dict[str, Any]) -> AsyncIterator[dict[str, A
            "usage": payload.get("usage"), "timings": payload.get("timings")}
 
 
-async def run_chat(services: Services, body: dict[str, Any], headers: Any, *, keep_alive: float | None = None,
+async def run_chat(services: Services, body: dict[str, Any], who: Caller, *, keep_alive: float | None = None,
                    num_ctx: int | None = None, spawn_options: dict[str, Any] | None = None, choices: int = 1,
                    raw_stream: bool = False) -> ChatResult:
     """`body` is an OpenAI chat request with `model` and `messages` already validated. With `raw_stream`
@@ -155,7 +156,7 @@ async def run_chat(services: Services, body: dict[str, Any], headers: Any, *, ke
     if plan is not None:
         rewritten = enforce_tools(body, plan)
         reply = buffered(await forward(services, model, UpstreamCall(path="/v1/chat/completions",
-                                                                     body=msgspec.json.encode(rewritten)), headers,
+                                                                     body=msgspec.json.encode(rewritten)), who,
                                        keep_alive=keep_alive, num_ctx=num_ctx, spawn_options=spawn_options))
         if reply.status >= 400:
             raise engine_failure(reply)
@@ -167,7 +168,7 @@ async def run_chat(services: Services, body: dict[str, Any], headers: Any, *, ke
     if stream and not raw_stream:
         body = {**body, "stream_options": {"include_usage": True, **(body.get("stream_options") or {})}}
     result = await forward(services, model, UpstreamCall(path="/v1/chat/completions", body=msgspec.json.encode(body),
-                                                        stream=stream), headers, keep_alive=keep_alive,
+                                                        stream=stream), who, keep_alive=keep_alive,
                            num_ctx=num_ctx, spawn_options=spawn_options, choices=choices)
     return completion_result(result, strip=strip, raw_stream=raw_stream)
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import trio
@@ -24,9 +23,10 @@ from blazar.fabric_config import parse_failover_target, remote_target
 from dialects.current import blazar_scope, key_record
 from dialects.wire import RequestError, check_choices, decode_object
 from lanes.base import PlanRefused
-from lanes.remote import HOPS_HEADER, MAX_HOPS, PASSED_HEADERS
+from lanes.remote import HOPS_HEADER, MAX_HOPS
 from lanes.rpc import probe_rpc_workers
 from supervisors.actor import ActorError, ActorStopped, ActorUnavailable, Err, call, tell
+from supervisors.caller import Caller, LeaseBook, job_caller
 from supervisors.instance import (
     StreamFailure,
     Submit,
@@ -123,46 +123,48 @@ def _tag_model(model: str) -> None:
         blazar_scope(request.scope)["blazar.model"] = model
 
 
-class Principal:
-    """The key a job's work acts for (outside any HTTP request), and the admission leases it holds."""
+def caller_of(scope: Any, headers: Any) -> Caller:
+    """The caller of an HTTP request or WebSocket, built once per connection from what the auth and request-log
+    middleware put in its scope and from Blazar's request headers (a bad X-Blazar-Num-Ctx is a teaching 400)."""
+    cached = scope.get("blazar.caller")
+    if cached is not None:
+        return cast(Caller, cached)
+    record = key_record(scope)
+    keyed = bool(scope.get("blazar.auth"))
+    key = record.name if keyed and record is not None else None
+    # As dialects.roles.caller_is_admin: an unscoped key, the CLI's local token, or anyone on an open gateway.
+    admin = not keyed or (record is not None and (record.admin or record.source == "local"))
+    leases = scope.get("blazar.leases")
+    if leases is None:
+        leases = blazar_scope(scope)["blazar.leases"] = LeaseBook(once=True)  # the auth middleware gives them back
+    caller = Caller(key=key, admin=admin, reshapes_engines=admin or record is None or record.spawn_options,
+                    priority=headers.get("x-blazar-priority"), deadline_ms=headers.get("x-blazar-deadline-ms"),
+                    num_ctx=num_ctx_header(headers), trace_id=str(scope.get("blazar.trace_id") or ""),
+                    hops=_hops(headers), leases=leases)
+    blazar_scope(scope)["blazar.caller"] = caller
+    return caller
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.leases: list[int] = []
 
+def caller() -> Caller:
+    """The caller of the current HTTP request (routes build it once and pass it on)."""
+    from quart import request
 
-PRINCIPAL: ContextVar[Principal | None] = ContextVar("blazar_principal", default=None)
+    return caller_of(request.scope, request.headers)
 
 
 @asynccontextmanager
-async def acting_for(services: Services, key: str | None) -> AsyncIterator[None]:
-    """Run a job's unit of work under its owner's key: it is admitted and charged like a live request of
-    that key, and its leases go back when the unit ends. An open gateway (no key) admits everything."""
-    if key is None or services.admission is None:
-        yield
-        return
-    principal = Principal(key)
-    token = PRINCIPAL.set(principal)
+async def acting_for(services: Services, key: str | None, *, trace_id: str = "",
+                     priority: str | None = "low") -> AsyncIterator[Caller]:
+    """Run a job's unit of work as its owner's caller: it is admitted and charged like a live request of that
+    key, and its leases go back when the unit ends. An open gateway (no key) admits everything."""
+    work = job_caller(key, trace_id=trace_id, priority=priority)
     try:
-        yield
+        yield work
     finally:
-        PRINCIPAL.reset(token)
-        with trio.CancelScope(shield=True), trio.move_on_after(2):
-            for lease in principal.leases:
-                await services.admission.release(lease)
-
-
-async def _admit_principal(services: Services, model: str, charge: str) -> Callable[[int], None] | None:
-    principal = PRINCIPAL.get()
-    admission = services.admission
-    if principal is None or admission is None:
-        return None
-    try:
-        principal.leases.append(await admission.admit(principal.name, model, charge))
-    except ActorError as error:
-        raise Refusal.from_err(error.err) from None
-    name = principal.name
-    return lambda tokens: admission.charge(name, tokens)
+        if services.admission is not None and work.leases.held:
+            with trio.CancelScope(shield=True), trio.move_on_after(2):
+                for lease in work.leases.held:
+                    await services.admission.release(lease)
 
 
 async def residents(services: Services) -> list[dict[str, Any]]:
@@ -187,40 +189,29 @@ async def unload_anywhere(services: Services, model: str) -> dict[str, Any]:
     raise first
 
 
-async def admit_request(services: Services, model: str, charge: str = "tokens", *,
-                        scope: Any = None) -> Callable[[int], None] | None:
-    """Per-key limits, once per request (a route may reach the engine more than once) or WebSocket connection
-    (`scope`: its ASGI scope). The lease goes back in the auth middleware when the response has drained or the
-    connection ended (for a job's work: when `acting_for` ends). Returns where the engine's token counts are
-    charged, or None on an open gateway."""
-    from quart import has_request_context, request
-
-    if scope is None:
-        if not has_request_context():
-            return await _admit_principal(services, model, charge)
-        scope = request.scope
-    if not scope.get("blazar.auth") or services.admission is None:
-        return None
-    record = key_record(scope)
-    if record is None:
-        return None
+async def admit_request(services: Services, model: str, charge: str, who: Caller) -> Callable[[int], None] | None:
+    """Per-key limits: once per HTTP request or WebSocket connection (a route may reach the engine more than
+    once), per model called for a job's unit of work. The caller's leases go back when its work ends (see
+    supervisors.caller). Returns where the engine's token counts are charged, or None on an open gateway."""
     admission = services.admission
-    if "blazar.lease" not in scope:
+    if who.key is None or admission is None:
+        return None
+    if who.leases.wants_admission():
         try:
-            blazar_scope(scope)["blazar.lease"] = await admission.admit(record.name, model, charge)
+            who.leases.held.append(await admission.admit(who.key, model, charge))
         except ActorError as error:
             raise Refusal.from_err(error.err) from None
         except ActorUnavailable as error:
             raise Refusal(503, f"admission did not answer: {error}", fix="retry in a moment") from None
-    name = record.name
+    name = who.key
     return lambda tokens: admission.charge(name, tokens)
 
 
-async def admit_work(services: Services, model: str | None = None) -> None:
+async def admit_work(services: Services, who: Caller, model: str | None = None) -> None:
     """A request that creates work for later (an upload, a batch, an async transcription, a background
     response) passes admission like a generation: the key's rpm and max_concurrent, and its model scope when
     it names a model. What the work later generates is admitted and charged item by item (`acting_for`)."""
-    await admit_request(services, model or "", "requests")
+    await admit_request(services, model or "", "requests", who)
 
 
 def num_ctx_header(headers: Any) -> int | None:
@@ -243,15 +234,15 @@ def _refused(services: Services, model: str, err: Err) -> Refusal:
     return Refusal.from_err(err)
 
 
-async def ensure_model(services: Services, model: str, headers: Any, num_ctx: int | None = None,
+async def ensure_model(services: Services, model: str, who: Caller, num_ctx: int | None = None,
                        spawn_options: dict[str, Any] | None = None, *, fresh: bool = False,
                        lane: LaneClient | None = None) -> Handle:
     """The model's instance (loading it if needed), or a Refusal. `fresh` asks the lane even when its last
     answer for this request shape is cached (for callers that do not retry)."""
     if num_ctx is None:
-        num_ctx = num_ctx_header(headers)
+        num_ctx = who.num_ctx
     if spawn_options:
-        _may_reshape_engines(spawn_options)
+        _may_reshape_engines(who, spawn_options)
     client = lane or services.lane
     assert client is not None  # the composition root always starts the text lane
     try:
@@ -264,19 +255,14 @@ async def ensure_model(services: Services, model: str, headers: Any, num_ctx: in
     return handle
 
 
-def _may_reshape_engines(spawn_options: dict[str, Any]) -> None:
+def _may_reshape_engines(who: Caller, spawn_options: dict[str, Any]) -> None:
     """Spawn options (Ollama's num_thread, num_batch, use_mlock, …) restart the engine every key of that model
     shares, so they are for admin keys and keys whose entry opts in (`spawn_options = true`)."""
-    from quart import has_request_context, request
-
-    if not has_request_context() or not request.scope.get("blazar.auth"):
-        return
-    record = key_record(request.scope)
-    if record is None or record.admin or record.source == "local" or record.spawn_options:
+    if who.reshapes_engines:
         return
     names = ", ".join(f"options.{name}" for name in sorted(spawn_options))
     raise Refusal(403, f"{names} would restart the engine that every key using this model shares; the key "
-                  f"{record.name!r} may not reshape engines", code="spawn_options_refused",
+                  f"{who.key!r} may not reshape engines", code="spawn_options_refused",
                   fix="drop those options (the model's configured shape serves), or have the gateway's owner "
                   "set spawn_options = true on this key's [[keys]] entry in config.toml")
 
@@ -294,13 +280,13 @@ def with_default_system(handle: Handle, upstream: UpstreamCall) -> UpstreamCall:
     return msgspec.structs.replace(upstream, body=msgspec.json.encode(body))
 
 
-async def submit(services: Services, handle: Handle, upstream: UpstreamCall, headers: Any, *,
+async def submit(services: Services, handle: Handle, upstream: UpstreamCall, who: Caller, *,
                  keep_alive: float | None = None,
                  on_usage: Callable[[int], None] | None = None) -> UpstreamReply | UpstreamStream:
     """One request into an instance's queue, with the client's schedule; withdrawn if the client leaves."""
     now = trio.current_time()
     try:
-        plan = schedule(now, priority=headers.get("x-blazar-priority"), deadline_ms=headers.get("x-blazar-deadline-ms"),
+        plan = schedule(now, priority=who.priority, deadline_ms=who.deadline_ms,
                         max_wait=services.config.queue_wait_secs)
     except HeaderError as error:
         raise Refusal(400, str(error)) from None
@@ -385,7 +371,7 @@ def _fabric_target(services: Services, model: str, lane_kind: str) -> Where:
     return target
 
 
-async def forward(services: Services, model: str, upstream: UpstreamCall, headers: Any,
+async def forward(services: Services, model: str, upstream: UpstreamCall, who: Caller,
                   keep_alive: float | None = None, num_ctx: int | None = None,
                   spawn_options: dict[str, Any] | None = None, choices: int = 1,
                   lane_kind: str = "llamacpp") -> UpstreamReply | UpstreamStream:
@@ -399,17 +385,17 @@ async def forward(services: Services, model: str, upstream: UpstreamCall, header
             check_choices({"n": choices}, lane=lane.kind, ceiling=lane.max_choices)
         except RequestError as error:
             raise Refusal(400, error.message) from None
-    on_usage = await admit_request(services, model, getattr(lane, "charge", "tokens"))
+    on_usage = await admit_request(services, model, lane.charge, who)
     if target.kind == "failover":
-        return await _forward_chain(services, target.chain, upstream, headers, on_usage, keep_alive=keep_alive,
+        return await _forward_chain(services, target.chain, upstream, who, on_usage, keep_alive=keep_alive,
                                     num_ctx=num_ctx, spawn_options=spawn_options)
     if target.kind == "remote":
-        return await _forward_remote(services, target.peer, target.name, upstream, headers, on_usage)
-    return await _forward_local(services, client, model, upstream, headers, on_usage, keep_alive=keep_alive,
+        return await _forward_remote(services, target.peer, target.name, upstream, who, on_usage)
+    return await _forward_local(services, client, model, upstream, who, on_usage, keep_alive=keep_alive,
                                 num_ctx=num_ctx, spawn_options=spawn_options)
 
 
-async def _forward_local(services: Services, client: LaneClient, model: str, upstream: UpstreamCall, headers: Any,
+async def _forward_local(services: Services, client: LaneClient, model: str, upstream: UpstreamCall, who: Caller,
                          on_usage: Callable[[int], None] | None, *, keep_alive: float | None = None,
                          num_ctx: int | None = None,
                          spawn_options: dict[str, Any] | None = None) -> UpstreamReply | UpstreamStream:
@@ -418,13 +404,13 @@ async def _forward_local(services: Services, client: LaneClient, model: str, ups
     shape (LaneClient.ensure), so a request to a resident model goes straight to its instance; a stale cached
     handle is forgotten and the lane asked, without spending the retry."""
     if num_ctx is None:
-        num_ctx = num_ctx_header(headers)
+        num_ctx = who.num_ctx
     retries = 1
     while True:
         cached = client.cached(model, num_ctx, spawn_options)
-        handle = await ensure_model(services, model, headers, num_ctx, spawn_options, lane=client)
+        handle = await ensure_model(services, model, who, num_ctx, spawn_options, lane=client)
         try:
-            return await submit(services, handle, upstream, headers, keep_alive=keep_alive, on_usage=on_usage)
+            return await submit(services, handle, upstream, who, keep_alive=keep_alive, on_usage=on_usage)
         except Refusal as refusal:
             if refusal.code != "all_slots_busy":
                 client.forget(handle)  # unloading, gone or failing: the next request asks the lane
@@ -455,15 +441,15 @@ def _hops(headers: Any) -> int:
     return int(raw) if raw.isdigit() else 0
 
 
-async def _forward_remote(services: Services, peer: str, model: str, upstream: UpstreamCall, headers: Any,
+async def _forward_remote(services: Services, peer: str, model: str, upstream: UpstreamCall, who: Caller,
                           on_usage: Callable[[int], None] | None) -> UpstreamReply | UpstreamStream:
     """One request to a remote peer's model, relayed by the peer's actor; the answer is shaped as a local
     instance's, so the caller's dialect relays it the same way."""
-    hops = _hops(headers)
+    hops = who.hops
     if hops >= MAX_HOPS:
         raise Refusal(508, f"this request has already crossed {hops} gateways ({HOPS_HEADER}); remotes are "
                       "forwarding it in a loop", fix="check the [[remotes]] entries of the gateways on the way")
-    passed = tuple((name, headers.get(name)) for name in PASSED_HEADERS if headers.get(name))
+    passed = who.remote_headers()
     reply_header("x-blazar-remote", peer)
     assert services.remotes is not None  # a remote target names a configured [[remotes]] peer
     try:
@@ -480,7 +466,7 @@ def _target_failed(status: int) -> bool:
     return status >= 500 or status == 404
 
 
-async def _forward_chain(services: Services, chain: Any, upstream: UpstreamCall, headers: Any,
+async def _forward_chain(services: Services, chain: Any, upstream: UpstreamCall, who: Caller,
                          on_usage: Callable[[int], None] | None, **local: Any) -> UpstreamReply | UpstreamStream:
     """Serve an alias from its chain's first healthy target; a target that fails before its first byte is
     benched and the next one serves (a pinned target serves or fails alone)."""
@@ -495,10 +481,10 @@ async def _forward_chain(services: Services, chain: Any, upstream: UpstreamCall,
         try:
             if kind == "remote":
                 assert peer is not None  # a remote target names its peer
-                result = await _forward_remote(services, peer, model, upstream, headers, on_usage)
+                result = await _forward_remote(services, peer, model, upstream, who, on_usage)
             else:
                 result = await _forward_local(services, services.lane_clients()["llamacpp"], model, upstream,
-                                              headers, on_usage, **local)
+                                              who, on_usage, **local)
         except Refusal as refusal:
             if not _target_failed(refusal.status):
                 raise
@@ -520,15 +506,15 @@ async def _forward_chain(services: Services, chain: Any, upstream: UpstreamCall,
                   code="failover_exhausted", fix=f"GET /api/failover/{chain.name} shows each target's state")
 
 
-async def count_input_tokens(services: Services, model: str, chat: dict[str, Any], headers: Any) -> int:
+async def count_input_tokens(services: Services, model: str, chat: dict[str, Any], who: Caller) -> int:
     """What a chat prompt really costs, counted the model's lane's way on its own child. (The metrics' model label
     is set by ensure_model once the model resolved, never from the client's spelling.)"""
-    on_usage = await admit_request(services, model)
+    on_usage = await admit_request(services, model, "tokens", who)
     target = where(services, model)
     if target.kind == "remote":  # counted on the peer's own child (a Blazar peer serves the native routes)
         async def ask_peer(method: str, path: str, body: bytes) -> tuple[int, bytes]:
             reply = buffered(await _forward_remote(services, target.peer, target.name, UpstreamCall(
-                method=method, path=path, body=body), headers, on_usage))
+                method=method, path=path, body=body), who, on_usage))
             return reply.status, reply.body
 
         assert services.lane is not None  # the composition root always starts the text lane
@@ -537,10 +523,10 @@ async def count_input_tokens(services: Services, model: str, chat: dict[str, Any
         except PlanRefused as error:
             raise Refusal(error.status, error.message, fix=error.fix) from None
     require_local(services, model, "counting tokens")
-    handle = await ensure_model(services, model, headers, fresh=True)
+    handle = await ensure_model(services, model, who, fresh=True)
 
     async def ask(method: str, path: str, body: bytes) -> tuple[int, bytes]:
-        reply = buffered(await submit(services, handle, UpstreamCall(method=method, path=path, body=body), headers,
+        reply = buffered(await submit(services, handle, UpstreamCall(method=method, path=path, body=body), who,
                                       on_usage=on_usage))
         return reply.status, reply.body
 

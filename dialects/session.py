@@ -23,12 +23,13 @@ import msgspec
 import trio
 from quart import Response, request
 
+from supervisors.caller import Caller
 from supervisors.requests import RequestsClient
 from supervisors.services import Services
 
 from .chat_core import ChatResult, StreamBroken, run_chat
 from .current import blazar_scope
-from .edge import Refusal, admit_request, follow_or_lead, owner, sse_response, tracked
+from .edge import Refusal, admit_request, caller, follow_or_lead, owner, sse_response, tracked
 
 PROGRESS_EVERY = 8  # text pieces between card updates: the card stays live without a message per token
 
@@ -65,7 +66,7 @@ class RequestSession:
     @classmethod
     async def open(cls, services: Services, model: str, *, stream: bool, flight: str | None = None) -> RequestSession:
         # Admitted before singleflight: a follower served from another request's answer still counts.
-        charge = await admit_request(services, model)
+        charge = await admit_request(services, model, "tokens", caller())
         assert services.requests is not None  # the composition root starts the request registry
         trace_id = blazar_scope(request.scope).get("blazar.trace_id", "")
         control = await services.requests.open(trace_id=trace_id, model=model,
@@ -182,11 +183,11 @@ class RequestSession:
                             interrupt_frame=interrupt_frame, cancel_frame=cancel_frame, finish=self.finish)
 
 
-async def chat_session(services: Services, body: dict[str, Any], headers: Any, *, keep_alive: float | None = None,
+async def chat_session(services: Services, body: dict[str, Any], who: Caller, *, keep_alive: float | None = None,
                        num_ctx: int | None = None, spawn_options: dict[str, Any] | None = None) -> ChatResult:
     """The canonical chat call (`run_chat`) inside a request session: what Ollama and Anthropic routes use.
     Raises Refusal like run_chat (499 when cancelled from another connection)."""
     session = await RequestSession.open(services, body["model"], stream=body.get("stream") is True,
                                         flight=flight_key(body, num_ctx, sorted((spawn_options or {}).items())))
-    return await session.run(lambda: run_chat(services, body, headers, keep_alive=keep_alive, num_ctx=num_ctx,
+    return await session.run(lambda: run_chat(services, body, who, keep_alive=keep_alive, num_ctx=num_ctx,
                                               spawn_options=spawn_options))

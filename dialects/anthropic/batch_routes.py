@@ -13,12 +13,13 @@ from typing import Any
 import msgspec
 from quart import Blueprint, Response, request
 
-from dialects.batches import LOW_PRIORITY, RETENTION_SECS, ItemFailed, counts_of, expired, item_rows, run_items
+from dialects.batches import RETENTION_SECS, ItemFailed, counts_of, expired, item_rows, run_items
 from dialects.chat_core import run_chat
 from dialects.current import current_services, required
-from dialects.edge import Refusal, admit_work, json_response, limit_arg, owner, refuse, viewer
+from dialects.edge import Refusal, admit_work, caller, json_response, limit_arg, owner, refuse, viewer
 from dialects.roles import Role, role
 from dialects.wire import RequestError, decode_object
+from supervisors.caller import Caller
 from supervisors.jobs import TERMINAL, JobContext
 from supervisors.services import Services
 
@@ -33,19 +34,20 @@ def _iso(ts: float | None) -> str | None:
     return None if ts is None else datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
 
 
-async def _message_item(services: Services, item: dict[str, Any]) -> dict[str, Any]:
+async def _message_item(services: Services, item: dict[str, Any], who: Caller) -> dict[str, Any]:
     params = item.get("params")
     if not isinstance(params, dict):
         raise ItemFailed(400, "invalid_request_error", "`params` must be a Messages API request object")
     if params.get("stream") is True:
         raise ItemFailed(400, "invalid_request_error", "`params.stream` cannot be true inside a batch")
     canonical = t.to_openai({**params, "stream": False})
-    result = await run_chat(services, canonical, LOW_PRIORITY)
+    result = await run_chat(services, canonical, who)
     return t.from_openai(result.payload or {}, canonical["model"], params.get("stop_sequences"))
 
 
 async def run_message_batch(services: Services, ctx: JobContext) -> dict[str, Any]:
-    counts = await run_items(services, ctx, ctx.request["requests"], lambda item: _message_item(services, item))
+    counts = await run_items(services, ctx, ctx.request["requests"],
+                             lambda item, who: _message_item(services, item, who))
     return {"counts": counts}
 
 
@@ -94,7 +96,7 @@ async def create_batch():
             if custom_id in seen:
                 raise RequestError(f"`requests[{index}].custom_id` {custom_id!r} is used twice; each must be unique")
             seen.add(custom_id)
-        await admit_work(services)
+        await admit_work(services, caller())
     except (RequestError, Refusal) as error:
         return refuse(error)
     batch_id = f"msgbatch_{secrets.token_hex(12)}"

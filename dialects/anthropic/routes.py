@@ -6,11 +6,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-from quart import Blueprint, Response, request
+from quart import Blueprint, Response
 
 from dialects.chat_core import StreamBroken
 from dialects.current import current_services
-from dialects.edge import Refusal, count_input_tokens, json_body, refuse
+from dialects.edge import Refusal, caller, count_input_tokens, json_body, refuse
 from dialects.roles import Role, role
 from dialects.session import chat_session
 from dialects.wire import RequestError
@@ -27,7 +27,7 @@ async def messages():
     try:
         body = await json_body()
         canonical = t.to_openai(body)
-        result = await chat_session(current_services(), canonical, request.headers)
+        result = await chat_session(current_services(), canonical, caller())
     except (RequestError, Refusal) as error:
         return refuse(error)
     model = canonical["model"]
@@ -125,7 +125,7 @@ async def count_tokens():
         canonical = t.to_openai({**body, "max_tokens": body.get("max_tokens") or 1})
         template = {"messages": canonical["messages"], **({"tools": canonical["tools"]} if "tools" in canonical
                                                           else {})}
-        count = await count_input_tokens(current_services(), canonical["model"], template, request.headers)
+        count = await count_input_tokens(current_services(), canonical["model"], template, caller())
     except (RequestError, Refusal) as error:
         return refuse(error)
     return Response(msgspec.json.encode({"input_tokens": count}), content_type="application/json")

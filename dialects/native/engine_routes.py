@@ -10,7 +10,7 @@ import msgspec
 from quart import Blueprint, Response, request
 
 from dialects.current import current_services, required
-from dialects.edge import Refusal, forward, json_reply, sse_response, unload_anywhere
+from dialects.edge import Refusal, caller, forward, json_reply, sse_response, unload_anywhere
 from dialects.openai.routes import openai_error_frame
 from dialects.roles import Role, role
 from dialects.wire import ChatStreamRewriter
@@ -55,7 +55,7 @@ async def _native(path: str, method: str = "POST", *, stream_ok: bool = False):
             except (msgspec.DecodeError, AttributeError):
                 raise Refusal(400, "the request body must be a JSON object") from None
         result = await forward(current_services(), model,
-                               UpstreamCall(method=method, path=path, body=raw, stream=stream), request.headers)
+                               UpstreamCall(method=method, path=path, body=raw, stream=stream), caller())
         if isinstance(result, UpstreamReply):
             return json_reply(result)
         return sse_response(result, ChatStreamRewriter(strip_think=False).feed, openai_error_frame)

@@ -18,6 +18,7 @@ from dialects.current import current_services
 from dialects.edge import (
     Refusal,
     admit_request,
+    caller,
     ensure_model,
     json_body,
     json_response,
@@ -35,7 +36,6 @@ from supervisors.services import Services
 
 blueprint = Blueprint("fabric", __name__)
 
-LOW_PRIORITY = {"x-blazar-priority": "low"}
 REPLICATE_DEFAULT_SECS = 300
 REPLICATE_MAX_SECS = 900
 
@@ -55,14 +55,15 @@ async def warm():
         if not isinstance(wait, bool):
             raise Refusal(400, f"`wait` must be true or false, got {wait!r}", fix='{"model": "...", "wait": true}')
         require_local(services, model, "/api/warm")
-        await admit_request(services, model)  # the key's model scope and limits, like a request for it
+        who = msgspec.structs.replace(caller(), priority="low")  # the readiness check queues at low priority
+        await admit_request(services, model, "tokens", who)  # the key's model scope and limits, like a request for it
         if not wait:
             if not services.lane.warm(model):
                 raise Refusal(503, "the text lane is too busy to take a warm request now", fix="retry in a moment")
             return json_response({"status": "ok"})
         started = time.perf_counter()
-        handle = await ensure_model(services, model, LOW_PRIORITY, fresh=True)
-        reply = await submit(services, handle, UpstreamCall(method="GET", path=handle.lane.health_path), LOW_PRIORITY)
+        handle = await ensure_model(services, model, who, fresh=True)
+        reply = await submit(services, handle, UpstreamCall(method="GET", path=handle.lane.health_path), who)
         if reply.status >= 400:
             raise Refusal(502, f"{handle.key} loaded but its engine's health check answered {reply.status}")
         load_ms = round((time.perf_counter() - started) * 1000, 1)

@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 import trio
-from quart import Blueprint, Response, request
+from quart import Blueprint, Response
 
 from blazar import __version__
 from blazar.config import ConfigError, parse_duration
@@ -20,6 +20,7 @@ from dialects.edge import (
     Refusal,
     admit_request,
     buffered,
+    caller,
     ensure_model,
     forward,
     json_body,
@@ -313,7 +314,7 @@ async def _chat_like(kind: str):
             result = await session.run(lambda: _raw_completion(services, canonical, body["prompt"], keep_alive,
                                                                 num_ctx, spawn))
         else:
-            result = await chat_session(services, canonical, request.headers, keep_alive=keep_alive, num_ctx=num_ctx,
+            result = await chat_session(services, canonical, caller(), keep_alive=keep_alive, num_ctx=num_ctx,
                                         spawn_options=spawn)
     except (RequestError, Refusal) as error:
         return refuse(error)
@@ -331,7 +332,7 @@ async def _raw_completion(services: Services, canonical: dict[str, Any], prompt:
     body = {k: v for k, v in canonical.items() if k not in skip} | {"prompt": prompt}
     result = await forward(services, canonical["model"], UpstreamCall(
         path="/v1/completions", body=msgspec.json.encode(body), stream=body.get("stream") is True),
-        request.headers, keep_alive=keep_alive, num_ctx=num_ctx, spawn_options=spawn)
+        caller(), keep_alive=keep_alive, num_ctx=num_ctx, spawn_options=spawn)
     return completion_result(result, strip=False)
 
 
@@ -426,9 +427,10 @@ async def _load_or_unload(body: dict[str, Any], model: str, options: t.OptionsRe
     else:
         try:
             require_local(services, model, "loading with an empty request")
-            await admit_request(services, model)  # the key's scope and rate, as for any generation
-            handle = await ensure_model(services, model, request.headers, options.num_ctx, options.spawn, fresh=True)
-            await submit(services, handle, UpstreamCall(method="GET", path=handle.lane.health_path), request.headers,
+            who = caller()
+            await admit_request(services, model, "tokens", who)  # the key's scope and rate, as for any generation
+            handle = await ensure_model(services, model, who, options.num_ctx, options.spawn, fresh=True)
+            await submit(services, handle, UpstreamCall(method="GET", path=handle.lane.health_path), who,
                          keep_alive=keep_alive)
         except (RequestError, Refusal) as error:
             return refuse(error)
@@ -463,7 +465,7 @@ async def _embed(legacy: bool):
             raise RequestError(f"`{field}` must be a string" + ("" if legacy else " or an array of strings"))
         options, unused = _read_request("embeddings" if legacy else "embed", body)
         reply = buffered(await forward(services, model, UpstreamCall(path="/v1/embeddings", body=msgspec.json.encode(
-            {"model": model, "input": inputs})), request.headers, keep_alive=_keep_alive(body),
+            {"model": model, "input": inputs})), caller(), keep_alive=_keep_alive(body),
             num_ctx=options.num_ctx, spawn_options=options.spawn))
     except (RequestError, Refusal) as error:
         return refuse(error)
@@ -497,7 +499,7 @@ async def rerank():
         body = await json_body()
         model = t.require_model(body)
         reply = await forward(current_services(), model, UpstreamCall(
-            path="/v1/rerank", body=msgspec.json.encode(body)), request.headers)
+            path="/v1/rerank", body=msgspec.json.encode(body)), caller())
     except (RequestError, Refusal) as error:
         return refuse(error)
     return Response(reply.body, status=reply.status if reply.status < 500 else 502, content_type="application/json")

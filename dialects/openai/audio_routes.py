@@ -26,6 +26,7 @@ from dialects.edge import (
     acting_for,
     admit_work,
     buffered,
+    caller,
     engine_failure,
     forward,
     json_response,
@@ -38,6 +39,7 @@ from dialects.edge import (
 from dialects.roles import Role, role
 from dialects.wire import RequestError, decode_object
 from supervisors import transcode
+from supervisors.caller import Caller
 from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply
 from supervisors.jobs import JobContext, JobFailed
 from supervisors.services import Services
@@ -64,10 +66,10 @@ def whisper_model(services: Services, asked: str) -> str:
 
 
 async def _transcribe_once(services: Services, model: str, audio: bytes, options: dict[str, Any],
-                           headers: Any) -> dict[str, Any]:
+                           who: Caller) -> dict[str, Any]:
     path = "/transcribe?options=" + urllib.parse.quote(json.dumps(options))
     reply = await forward(services, f"whisper:{model}", UpstreamCall(
-        path=path, body=audio, content_type="application/octet-stream"), headers, lane_kind="whisper")
+        path=path, body=audio, content_type="application/octet-stream"), who, lane_kind="whisper")
     assert isinstance(reply, UpstreamReply)
     if reply.status >= 400:
         status = 400 if reply.status < 500 else 502
@@ -127,7 +129,7 @@ async def _speech_to_text(task: str):
             return await _submit_async(services, model, audio, filename, transcription, options)
         if transcription.stream:
             return _streamed(services, model, audio, options, transcription)
-        return render(await _transcribe_once(services, model, audio, options, request.headers), transcription)
+        return render(await _transcribe_once(services, model, audio, options, caller()), transcription)
     except (RequestError, Refusal) as error:
         return refuse(error)
 
@@ -184,7 +186,7 @@ def _streamed(services: Services, model: str, audio: bytes, options: dict[str, A
     decodes. A client that hangs up closes the channel, and decoding stops at the next window."""
     pieces = windows(audio, services.config.whisper_stream_chunk_ms)
     options = {**options, "word_timestamps": False}
-    headers = dict(request.headers)
+    who = caller()
     send, receive = trio.open_memory_channel[tuple[int, dict[str, Any]] | Refusal](1)
 
     async def decode() -> None:
@@ -192,7 +194,7 @@ def _streamed(services: Services, model: str, audio: bytes, options: dict[str, A
             for offset_ms, piece in pieces:
                 try:
                     result: tuple[int, dict[str, Any]] | Refusal = (
-                        offset_ms, await _transcribe_once(services, model, piece, options, headers))
+                        offset_ms, await _transcribe_once(services, model, piece, options, who))
                 except Refusal as refusal:
                     result = refusal
                 except Exception as error:  # a task of the app's nursery must never take the app down
@@ -254,7 +256,7 @@ def duration_ms(audio: bytes, segments: list[dict[str, Any]]) -> int:
 
 async def _submit_async(services: Services, model: str, audio: bytes, filename: str,
                         transcription: t.TranscriptionRequest, options: dict[str, Any]) -> Response:
-    await admit_work(services, f"whisper:{model}")
+    await admit_work(services, caller(), f"whisper:{model}")
     uploads = services.paths.home / "jobs" / "inputs"
     job_id = f"audiojob_{secrets.token_hex(12)}"
     path = uploads / job_id
@@ -283,9 +285,9 @@ async def run_audio_job(services: Services, ctx: JobContext) -> dict[str, Any]:
                                            diarize=spec["format"] == "diarized_json",
                                            language_probabilities=spec["language_probabilities"])
     try:
-        async with acting_for(services, ctx.key):
+        async with acting_for(services, ctx.key, trace_id=ctx.id) as who:
             result = await _transcribe_once(services, (ctx.model or "").removeprefix("whisper:"), audio,
-                                            spec["options"], {})
+                                            spec["options"], who)
     except Refusal as refusal:
         raise JobFailed(refusal.message, fix=refusal.fix or "submit it again") from None
     rendered = render(result, transcription)
@@ -358,7 +360,7 @@ async def speech():
         raw = fmt != "wav"  # everything but a WAV starts as the voice's raw PCM, sentence by sentence
         result = await forward(services, voice, UpstreamCall(
             path="/synthesize", body=msgspec.json.encode({**speech_request["options"], "raw": raw}), stream=raw),
-            request.headers, lane_kind="piper")
+            caller(), lane_kind="piper")
         if isinstance(result, UpstreamReply) and result.status >= 400:
             raise Refusal(400 if result.status < 500 else 502, f"piper refused: {result.engine_message}")
         headers = {"x-blazar-voice": voice}
@@ -400,7 +402,7 @@ async def _remote_speech_to_text(services: Services, task: str, transcription: t
                            files={"file": (filename, audio)})
     body = await trio.to_thread.run_sync(upload.read)  # the multipart copy of an upload of up to 50 MiB
     result = buffered(await forward(services, transcription.model, UpstreamCall(
-        path=path, body=body, content_type=upload.headers["content-type"]), request.headers))
+        path=path, body=body, content_type=upload.headers["content-type"]), caller()))
     if result.status >= 400:
         raise engine_failure(result)
     return Response(result.body, status=result.status, content_type=result.content_type)
@@ -410,7 +412,7 @@ async def _remote_speech(services: Services, body: dict[str, Any]) -> Response:
     """`peer:voice`: the request goes to the peer's /v1/audio/speech as it came (the voice renamed), and its
     audio comes back as the peer sends it, byte for byte."""
     upstream = UpstreamCall(path="/v1/audio/speech", body=msgspec.json.encode(body), stream=True)
-    result = await forward(services, body["model"], upstream, request.headers)
+    result = await forward(services, body["model"], upstream, caller())
     if isinstance(result, UpstreamReply):
         raise engine_failure(result)
 

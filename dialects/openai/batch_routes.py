@@ -14,12 +14,13 @@ import msgspec
 import trio
 from quart import Blueprint, Response, request
 
-from dialects.batches import LOW_PRIORITY, ItemFailed, count_lines, counts_of, decode_lines, item_rows, run_items
+from dialects.batches import ItemFailed, count_lines, counts_of, decode_lines, item_rows, run_items
 from dialects.chat_core import completion_result, run_chat
 from dialects.current import current_services, required
-from dialects.edge import Refusal, admit_work, forward, json_response, limit_arg, owner, refuse, viewer
+from dialects.edge import Refusal, admit_work, caller, forward, json_response, limit_arg, owner, refuse, viewer
 from dialects.roles import Role, role
 from dialects.wire import RequestError, check_choices, decode_object, require_model
+from supervisors.caller import Caller
 from supervisors.instance import UpstreamCall
 from supervisors.jobs import TERMINAL, JobContext
 from supervisors.services import Services
@@ -68,7 +69,7 @@ async def upload_file():
                               f"batches), got {purpose!r}"))
     data = upload.read()
     try:
-        await admit_work(services)
+        await admit_work(services, caller())
     except Refusal as error:
         return refuse(error)
     key = owner()
@@ -208,7 +209,7 @@ async def file_content(file_id: str):
 # ------------------------------------------------------------------ batches
 
 
-async def _openai_item(services: Services, endpoint: str, item: dict[str, Any], key: str | None) -> dict[str, Any]:
+async def _openai_item(services: Services, endpoint: str, item: dict[str, Any], who: Caller) -> dict[str, Any]:
     if "_invalid" in item:
         raise ItemFailed(400, "invalid_json", item["_invalid"])
     if not isinstance(item.get("custom_id"), str):
@@ -223,12 +224,12 @@ async def _openai_item(services: Services, endpoint: str, item: dict[str, Any], 
     model = require_model(body)
     if endpoint == "/v1/chat/completions":
         check_chat(body)
-        result = await run_chat(services, body, LOW_PRIORITY, choices=check_choices(body))
+        result = await run_chat(services, body, who, choices=check_choices(body))
         return result.payload or {}
     if endpoint == "/v1/responses":
         check_response_request({**body, "background": False})
-        return await answer(services, body, new_id("resp"), key=key)
-    reply = await forward(services, model, UpstreamCall(path=endpoint, body=msgspec.json.encode(body)), LOW_PRIORITY)
+        return await answer(services, body, new_id("resp"), who)
+    reply = await forward(services, model, UpstreamCall(path=endpoint, body=msgspec.json.encode(body)), who)
     return completion_result(reply, strip=False).payload or {}
 
 
@@ -237,7 +238,7 @@ async def run_openai_batch(services: Services, ctx: JobContext) -> dict[str, Any
     data = await trio.to_thread.run_sync(Path(rows[0]["path"]).read_bytes) if rows else b""
     endpoint = ctx.request["endpoint"]
     counts = await run_items(services, ctx, await decode_lines(data),
-                             lambda item: _openai_item(services, endpoint, item, ctx.key))
+                             lambda item, who: _openai_item(services, endpoint, item, who))
     return {"counts": counts}
 
 
@@ -295,7 +296,7 @@ async def create_batch():
         total = await count_lines(data)
         if total == 0:
             raise RequestError(f"file {file_id} has no request lines", param="input_file_id")
-        await admit_work(services)
+        await admit_work(services, caller())
     except (RequestError, Refusal) as error:
         return refuse(error)
     batch_id = f"batch_{secrets.token_hex(12)}"

@@ -20,7 +20,7 @@ from blazar import audio_models
 from blazar.pcm import resample
 from dialects.chat_core import run_chat
 from dialects.current import current_services
-from dialects.edge import Refusal, acting_for, admit_request, forward, owner
+from dialects.edge import Refusal, acting_for, admit_request, caller_of, forward, owner
 from dialects.roles import Role, role
 from supervisors.actor import ActorError
 from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply
@@ -39,22 +39,27 @@ MAX_REPLY_TOKENS = 200
 class GatewayPipeline:
     """The session's engines: the same canonical calls as the HTTP routes, under the connection's key."""
 
-    def __init__(self, services: Services, key: str | None, chat_model: str) -> None:
+    def __init__(self, services: Services, key: str | None, chat_model: str, trace_id: str) -> None:
         self.services = services
         self.key = key
         self.chat_model = chat_model
+        self.trace_id = trace_id
+
+    def _turn(self) -> Any:
+        """A stage of a turn acts as the connection's key, at normal priority (someone is listening)."""
+        return acting_for(self.services, self.key, trace_id=self.trace_id, priority=None)
 
     async def transcribe(self, wav: bytes, model: str) -> str:
-        async with acting_for(self.services, self.key):
+        async with self._turn() as who:
             result = await _transcribe_once(self.services, whisper_model(self.services, model), wav,
-                                            {"task": "transcribe"}, {})
+                                            {"task": "transcribe"}, who)
         return text_of(result)
 
     async def chat(self, messages: list[dict[str, Any]], sink: Sink) -> None:
         body = {"model": self.chat_model, "messages": messages, "stream": True, "max_tokens": MAX_REPLY_TOKENS,
                 "repeat_penalty": 1.1}
-        async with acting_for(self.services, self.key):
-            result = await run_chat(self.services, body, {})
+        async with self._turn() as who:
+            result = await run_chat(self.services, body, who)
             assert result.chunks is not None  # asked for a stream: chunk dicts
             async for chunk in result.chunks:
                 for choice in chunk.get("choices") or []:
@@ -64,9 +69,9 @@ class GatewayPipeline:
 
     async def speak(self, text: str, voice: str, sink: Sink) -> None:
         rate = await trio.to_thread.run_sync(_voice_rate, self.services, voice)
-        async with acting_for(self.services, self.key):
+        async with self._turn() as who:
             result = await forward(self.services, voice, UpstreamCall(
-                path="/synthesize", body=msgspec.json.encode({"text": text, "raw": True}), stream=True), {},
+                path="/synthesize", body=msgspec.json.encode({"text": text, "raw": True}), stream=True), who,
                 lane_kind="piper")
             if isinstance(result, UpstreamReply):
                 raise Refusal(502, f"piper refused: {result.engine_message}")
@@ -90,11 +95,12 @@ async def realtime():
     try:
         # Admitted like a request of its key (rpm, and a max_concurrent place held while the connection is open);
         # each turn's stages are then admitted and charged on their own.
-        await admit_request(services, "", "requests", scope=websocket.scope)
+        who = caller_of(websocket.scope, websocket.headers)
+        await admit_request(services, "", "requests", who)
     except Refusal as refusal:
         return refusal.response(websocket.path)
     connection = websocket._get_current_object()  # the work runs in the session supervisor's task
-    session = RealtimeSession(settings, GatewayPipeline(services, key, settings.model),
+    session = RealtimeSession(settings, GatewayPipeline(services, key, settings.model, who.trace_id),
                               idle_ttl=services.config.realtime_idle_secs, hard_ttl=services.config.realtime_max_secs)
 
     async def serve(stop: trio.Event) -> str:

@@ -13,10 +13,11 @@ from quart import Blueprint, Response, request
 
 from dialects.chat_core import StreamBroken, run_chat
 from dialects.current import current_services, required
-from dialects.edge import Refusal, acting_for, admit_work, json_response, owner, refuse, viewer
+from dialects.edge import Refusal, acting_for, admit_work, caller, json_response, owner, refuse, viewer
 from dialects.roles import Role, role
 from dialects.session import RequestSession, flight_key
 from dialects.wire import RequestError, decode_object
+from supervisors.caller import Caller
 from supervisors.jobs import JobFailed
 from supervisors.responses import StoredResponse
 from supervisors.services import Services
@@ -65,16 +66,17 @@ async def _store(services: Services, response_id: str, body: dict[str, Any], con
             previous_id=body.get("previous_response_id"), body=stored_body, messages=[*turn, message]))
 
 
-async def answer(services: Services, body: dict[str, Any], response_id: str, *, key: str | None) -> dict[str, Any]:
-    """One buffered response, stored when asked: the work of a background job, outside any HTTP request."""
+async def answer(services: Services, body: dict[str, Any], response_id: str, who: Caller) -> dict[str, Any]:
+    """One buffered response, stored when asked: the work of a background job or a batch item (`who`: the job's
+    caller), outside any HTTP request."""
+    key = who.key
     try:
         history, conversation = await _history(services, body, key)
     except PreviousMissing as missing:
         raise JobFailed(f"previous_response_id {missing.args[0]!r} is no longer stored",
                         fix="send the whole conversation in `input`") from None
     chat, turn = t.to_chat(body, history)
-    async with acting_for(services, key):
-        result = await run_chat(services, {**chat, "stream": False}, {})
+    result = await run_chat(services, {**chat, "stream": False}, who)
     payload = result.payload or {}
     message = t.chat_message(payload)
     obj = t.response_object(response_id, body, status="completed", output=t.output_items(message),
@@ -86,7 +88,8 @@ async def answer(services: Services, body: dict[str, Any], response_id: str, *, 
 async def run_background(services: Services, ctx: Any) -> dict[str, Any]:
     """A background response's job: the answer is stored; a refusal becomes the job's teaching failure."""
     try:
-        return await answer(services, ctx.request["body"], ctx.id, key=ctx.key)
+        async with acting_for(services, ctx.key, trace_id=ctx.id, priority=None) as who:
+            return await answer(services, ctx.request["body"], ctx.id, who)
     except (RequestError, Refusal) as error:
         raise JobFailed(error.message, fix=getattr(error, "fix", "") or "fix the request and submit it again") from None
 
@@ -102,7 +105,7 @@ async def create_response():
         response_id = t.new_id("resp")
         if body.get("background") is True:
             await _route_history(services, body)  # a missing previous response is refused now, not in the job
-            await admit_work(services, body["model"])
+            await admit_work(services, caller(), body["model"])
             await services.jobs.create("responses", model=body["model"], key=owner(),
                                        request={"body": body}, job_id=response_id)
             queued = t.response_object(response_id, body, status="queued", output=[], usage=None,
@@ -114,7 +117,7 @@ async def create_response():
         session = await RequestSession.open(services, chat["model"], stream=stream,
                                             flight=flight_key(chat, "responses") if not body.get("store", True)
                                             else None)
-        result = await session.run(lambda: run_chat(services, chat, request.headers))
+        result = await session.run(lambda: run_chat(services, chat, caller()))
     except (RequestError, Refusal) as error:
         return refuse(error)
     key = owner()

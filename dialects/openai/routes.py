@@ -7,13 +7,14 @@ from typing import Any
 
 import msgspec
 import trio
-from quart import Blueprint, Response, request
+from quart import Blueprint, Response
 
 from dialects.chat_core import ChatResult, StreamBroken, completion_result, run_chat
 from dialects.current import current_services, required
 from dialects.edge import (
     Refusal,
     buffered,
+    caller,
     count_input_tokens,
     forward,
     json_body,
@@ -65,7 +66,7 @@ async def chat_completions():
         receipt = structured_output_receipt(body)
         session = await RequestSession.open(services, model, stream=body.get("stream") is True,
                                             flight=flight_key(body))
-        result = await session.run(lambda: run_chat(services, body, request.headers, choices=choices,
+        result = await session.run(lambda: run_chat(services, body, caller(), choices=choices,
                                                     raw_stream=True))
     except (RequestError, Refusal) as error:
         return refuse(error)
@@ -120,7 +121,7 @@ async def _passthrough(path: str):
         body = await json_body()
         model = require_model(body)
         result = await forward(current_services(), model, UpstreamCall(path=path, body=msgspec.json.encode(body)),
-                               request.headers)
+                               caller())
         return json_reply(buffered(result))
     except (RequestError, Refusal) as error:
         return refuse(error)
@@ -140,7 +141,7 @@ async def completions():
 
         async def ask() -> ChatResult:
             return completion_result(await forward(services, model, UpstreamCall(
-                path="/v1/completions", body=msgspec.json.encode(body), stream=stream), request.headers,
+                path="/v1/completions", body=msgspec.json.encode(body), stream=stream), caller(),
                 choices=choices), strip=False, raw_stream=True)
 
         result = await session.run(ask)
@@ -202,7 +203,7 @@ async def responses_input_tokens():
 
 
 async def _count_tokens(model: str, template_body: dict[str, Any]) -> Response:
-    count = await count_input_tokens(current_services(), model, template_body, request.headers)
+    count = await count_input_tokens(current_services(), model, template_body, caller())
     return Response(msgspec.json.encode({"object": "response.input_tokens", "input_tokens": count}),
                     content_type="application/json")
 
