@@ -25,6 +25,29 @@ class PlanRefused(TeachingError):
     """The lane cannot plan this request; `status`, `message` and `fix` are for the client."""
 
 
+# An install's progress, from a worker thread: (status, bytes done, bytes in all when known).
+Progress = Callable[[str, int, int | None], None]
+
+
+class Installed(msgspec.Struct, frozen=True, kw_only=True):
+    """What a lane's `install` did: the model's name as requests use it, and what to tell the user."""
+
+    name: str
+    lane: str
+    size: int
+    fetched: bool  # False: it was already installed and nothing was downloaded
+    summary: str  # one line for a terminal ("pulled smollm2:135m (105 MB, sha256 …, from hub)")
+    record: dict[str, Any]  # the lane's own record of it (the GGUF manifest, the speech catalog entry), for --json
+
+
+def human_size(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if count < 1000 or unit == "TB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    return ""
+
+
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
     """Token counts of one generation, read from the engine's own answer."""
 
@@ -80,6 +103,23 @@ class Lane(Protocol[PlanT]):
     max_choices: int  # the most `n` choices the engine serves per request
     charge: str  # against a key's limits: "tokens" (the engine's counts) or "requests" (one per request)
     mailbox_size: int  # its lane supervisor's mailbox (a busier lane gets a deeper one)
+    catch_all: bool  # takes the names no other lane claims (hub repositories): the llama.cpp lane
+
+    # ----- the lane's models: what `blazar pull`, `blazar rm`, `/api/pull` and `/api/delete` act on
+
+    def claims(self, paths: Any, name: str) -> bool:
+        """Blocking, quick: `name` is this lane's to install or remove (one of its installed models, or a name
+        of its catalog). Only the catch-all lane may claim what it does not know."""
+
+    def install(self, paths: Any, name: str, *, force: bool, progress: Progress,
+                notes: Callable[[str], None]) -> Installed:
+        """Blocking: fetch and verify `name` into the lane's store; raises StoreError with the fix."""
+
+    def remove(self, paths: Any, name: str, *, running: set[str]) -> str:
+        """Blocking: remove an installed model (refused with 409 while it is running, 404 when not installed);
+        returns the name removed."""
+
+    # ----- serving
 
     def settings(self, config: Any) -> Any:
         """The config this lane's supervisor runs with (the composition root asks every lane in LANES)."""

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,9 +33,9 @@ from blazar.engines import Roster
 from blazar.fabric_config import rpc_addresses, split_host_port
 from blazar.modelfile import server_flags
 from blazar.paths import Paths
-from blazar.store import Store
+from blazar.store import Store, StoreError
 
-from .base import AskChild, PlanRefused, Usage
+from .base import AskChild, Installed, PlanRefused, Progress, Usage, human_size
 
 HEALTH_PATH = "/health"
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/completion"})
@@ -265,6 +266,30 @@ class LlamaCppLane:
     generation_paths = GENERATION_PATHS
     max_choices = MAX_CHOICES
     mailbox_size = 1024
+    catch_all = True  # a hub repository no other lane claims is a GGUF repository to this lane
+
+    def claims(self, paths: Paths, name: str) -> bool:
+        from blazar.pull import catalog_entry
+
+        try:
+            Store(paths).resolve(name)
+        except StoreError:
+            return catalog_entry(name) is not None
+        return True
+
+    def install(self, paths: Paths, name: str, *, force: bool, progress: Progress,
+                notes: Callable[[str], None]) -> Installed:
+        from blazar import pull as puller
+
+        manifest, fetched = puller.pull(Store(paths), name, force=force, progress=progress, notes=notes,
+                                        with_info=_info_or_error)
+        summary = (f"pulled {manifest.name} ({human_size(manifest.size)}, sha256 {manifest.blob[:12]}, from "
+                   f"{manifest.source.get('kind')})") if fetched else f"{manifest.name} is up to date"
+        return Installed(name=manifest.name, lane=self.kind, size=manifest.size, fetched=fetched, summary=summary,
+                         record=msgspec.to_builtins(manifest))
+
+    def remove(self, paths: Paths, name: str, *, running: set[str]) -> str:
+        return Store(paths).remove([name], running=running)[0]
 
     def settings(self, config: Config) -> Config:
         return config  # the text lane is what the top-level keys (keep_alive, models.<name>) describe
@@ -409,6 +434,16 @@ class LlamaCppLane:
             raise PlanRefused(f"the engine could not tokenize the prompt: {engine_error_text(body)}",
                               status=400 if status < 500 else 502)
         return len(_decode_or_empty(body).get("tokens", []))
+
+
+def _info_or_error(path: Path) -> dict[str, Any]:
+    """A pulled file's GGUF metadata for its manifest; a file the reader cannot parse is still installed."""
+    from blazar.gguf_info import read_info
+
+    try:
+        return read_info(path)
+    except Exception as error:  # the gguf reader raises many kinds on a malformed file
+        return {"error": f"could not read GGUF metadata: {error}"}
 
 
 def _text_digest(text: str) -> str:

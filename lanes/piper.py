@@ -33,6 +33,15 @@ class PiperLane(SpeechLane):
         return SpeechPlan(model=query, model_path=voice, binary=Path(sys.executable), engine_tag=f"piper-{version}",
                           size_bytes=voice.stat().st_size)
 
+    catalog_kind = audio_models.VOICE
+
+    def installed(self, paths: Any) -> list[str]:
+        return audio_models.installed_voices(paths)
+
+    def model_files(self, paths: Any, name: str) -> list[Path]:
+        voice = audio_models.voice_file(paths, name)
+        return [voice, voice.with_suffix(".onnx.json")]
+
     engine_module = "lanes.engines.piper_server"
     model_flag = "--voice"
 

@@ -5,13 +5,15 @@ request (not tokens) against the key's limits, with the model as the scope targe
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from .base import PlanRefused, Usage
+from .base import Installed, PlanRefused, Progress, Usage, human_size
 
 HEALTH_PATH = "/health"
 NO_USAGE = Usage(prompt=0, completion=0, cached=0, ttft_secs=None, per_token_secs=None)
@@ -46,6 +48,60 @@ class SpeechLane:
     max_choices = 1
     charge = "requests"
     mailbox_size = 256
+    catch_all = False
+
+    # ----- models: the audio store (blazar.audio_models), one catalog kind per lane
+
+    catalog_kind = ""  # audio_models.WHISPER or audio_models.VOICE
+
+    def installed(self, paths: Any) -> list[str]:
+        """The installed models of this lane, by their catalog names (tiny.en, en_US-joe-medium)."""
+        return []
+
+    def served_name(self, name: str) -> str:
+        """The name requests use for a catalog name (whisper's are `whisper:<name>`)."""
+        return name
+
+    def catalog_name(self, name: str) -> str:
+        return name
+
+    def model_files(self, paths: Any, name: str) -> list[Path]:
+        """What an installed model is on disk (removed together)."""
+        return []
+
+    def claims(self, paths: Any, name: str) -> bool:
+        from blazar import audio_models
+
+        catalog_name = self.catalog_name(name)
+        entry = audio_models.CATALOG.get(catalog_name)
+        return (entry is not None and entry.kind == self.catalog_kind) or catalog_name in self.installed(paths)
+
+    def install(self, paths: Any, name: str, *, force: bool, progress: Progress,
+                notes: Callable[[str], None]) -> Installed:
+        from blazar import audio_models
+
+        entry, fetched = audio_models.install(paths, self.catalog_name(name), force=force, progress=progress,
+                                              notes=notes)
+        summary = f"installed {entry.kind} {entry.name} ({human_size(entry.size)})" if fetched else \
+            f"{entry.name} is up to date"
+        return Installed(name=self.served_name(entry.name), lane=self.kind, size=entry.size, fetched=fetched,
+                         summary=summary, record={"name": entry.name, "kind": entry.kind, "size": entry.size})
+
+    def remove(self, paths: Any, name: str, *, running: set[str]) -> str:
+        from blazar.store import StoreError
+
+        catalog_name = self.catalog_name(name)
+        installed = self.installed(paths)
+        if catalog_name not in installed:  # only a name from the installed list reaches a file path
+            raise StoreError(f"no {self.kind} model {name!r} is installed"
+                             + (f"; installed: {', '.join(installed)}" if installed else ""),
+                             fix="blazar models lists what is installed", status=404)
+        served = self.served_name(catalog_name)
+        if served in running:
+            raise StoreError(f"{served} is running", fix=f"blazar stop {served}, then rm again", status=409)
+        for path in self.model_files(paths, catalog_name):
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        return served
 
     def settings(self, config: Any) -> Any:
         """Speech children idle out on their own clock (`audio_idle_secs`) and have no per-model settings."""

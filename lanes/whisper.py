@@ -35,6 +35,20 @@ class WhisperLane(SpeechLane):
                           engine_tag=f"faster-whisper-{version}", size_bytes=folder_size(folder),
                           threads=os.cpu_count())
 
+    catalog_kind = audio_models.WHISPER
+
+    def installed(self, paths: Any) -> list[str]:
+        return audio_models.installed_whisper(paths)
+
+    def served_name(self, name: str) -> str:
+        return f"whisper:{name}"
+
+    def catalog_name(self, name: str) -> str:
+        return audio_models.whisper_name(name)
+
+    def model_files(self, paths: Any, name: str) -> list[Path]:
+        return [audio_models.whisper_dir(paths, name)]
+
     engine_module = "lanes.engines.whisper_server"
     model_flag = "--model"
 

