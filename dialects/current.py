@@ -33,8 +33,8 @@ def current_services() -> Services:
 
 
 def required(client: T | None) -> T:
-    """A client of an actor the composition root always starts (jobs, requests, responses, admission, the text
-    lane, observability): Optional in Services only because a test may build its app with fewer."""
+    """A client of an actor the composition root always starts (jobs, requests, responses, admission, sessions,
+    the text lane, observability): Optional in Services only because a test may build its app with fewer."""
     assert client is not None, "this gateway was built without the actor this route needs"
     return client
 

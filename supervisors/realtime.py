@@ -120,7 +120,7 @@ class RealtimeSession:
                 "input_audio_format": "pcm16", "output_audio_format": "pcm16",
                 "input_audio_transcription": {"model": self.settings.stt_model}, "turn_detection": None}
 
-    async def run(self, receive: Callable[[], Awaitable[str]], send: Callable[[str], Awaitable[None]],
+    async def run(self, receive: Callable[[], Awaitable[str | bytes]], send: Callable[[str], Awaitable[None]],
                   stop: trio.Event | None = None) -> str:
         """Serve the connection until the client leaves, a TTL ends it or `stop` is set (the gateway drains: the
         client gets an `error` event with code `gateway_shutdown` first); returns the close reason."""
@@ -151,7 +151,7 @@ class RealtimeSession:
             nursery.cancel_scope.cancel()  # the reader, and a turn still running
         return self.close_reason
 
-    async def _reader(self, receive: Callable[[], Awaitable[str]], inbox: trio.MemorySendChannel) -> None:
+    async def _reader(self, receive: Callable[[], Awaitable[str | bytes]], inbox: trio.MemorySendChannel) -> None:
         async with inbox:
             while True:
                 raw = await receive()

@@ -13,7 +13,7 @@ import trio
 from quart import Blueprint, Response, request
 
 from blazar.sysinfo import meminfo
-from dialects.current import current_services, required
+from dialects.current import current_services, key_record, required
 from dialects.edge import Refusal, num_ctx_header, residents
 from dialects.roles import Role, caller_is_admin, require_scope, role
 from supervisors.actor import ActorError
@@ -42,8 +42,9 @@ async def console():
 @role(Role.KEY)
 async def metrics():
     services = current_services()
-    services.obs.set_residents(await residents(services))
-    exposition = services.obs.exposition(per_key=caller_is_admin(request.scope))  # a scoped key: /api/quantiles
+    obs = required(services.obs)
+    obs.set_residents(await residents(services))
+    exposition = obs.exposition(per_key=caller_is_admin(request.scope))  # a scoped key: /api/quantiles
     return Response(exposition, content_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -51,11 +52,12 @@ async def metrics():
 @role(Role.KEY)
 async def quantiles():
     services = current_services()
-    usage = await services.admission.usage() if services.admission.gate.table.enabled else {}
-    mine = request.scope.get("blazar.key")
+    admission = required(services.admission)
+    usage = await admission.usage() if admission.gate.table.enabled else {}
+    mine = key_record(request.scope)
     if mine is not None and not mine.admin:
         usage = {name: row for name, row in usage.items() if name == mine.name}
-    return _json({**services.obs.quantiles(), "keys": usage})
+    return _json({**required(services.obs).quantiles(), "keys": usage})
 
 
 def _event_stream(kinds: set[str] | None, greeting: bytes) -> Response:

@@ -16,9 +16,9 @@ from quart import Blueprint, Response, request
 from dialects.batches import RETENTION_SECS, ItemFailed, counts_of, expired, item_rows, run_items
 from dialects.chat_core import run_chat
 from dialects.current import current_services, required
-from dialects.edge import Refusal, admit_work, caller, json_response, limit_arg, owner, refuse, viewer
+from dialects.edge import Refusal, admit_work, caller, json_body, json_response, limit_arg, owner, refuse, viewer
 from dialects.roles import Role, role
-from dialects.wire import RequestError, decode_object
+from dialects.wire import RequestError
 from supervisors.caller import Caller
 from supervisors.jobs import TERMINAL, JobContext
 from supervisors.services import Services
@@ -83,7 +83,7 @@ async def _row(batch_id: str) -> dict[str, Any] | None:
 async def create_batch():
     services = current_services()
     try:
-        body = decode_object(await request.get_data())
+        body = await json_body()
         requests = body.get("requests")
         if not isinstance(requests, list) or not requests or len(requests) > MAX_REQUESTS:
             raise RequestError(f"`requests` must be an array of 1 to {MAX_REQUESTS} "
@@ -100,9 +100,11 @@ async def create_batch():
     except (RequestError, Refusal) as error:
         return refuse(error)
     batch_id = f"msgbatch_{secrets.token_hex(12)}"
-    await services.jobs.create("message_batch", model=None, key=owner(), job_id=batch_id,
-                               request={"requests": requests})
-    return json_response(batch_object(await services.jobs.get(batch_id)))
+    jobs = required(services.jobs)
+    await jobs.create("message_batch", model=None, key=owner(), job_id=batch_id, request={"requests": requests})
+    row = await jobs.get(batch_id)
+    assert row is not None  # created above; job rows are archived, never deleted
+    return json_response(batch_object(row))
 
 
 @blueprint.get("/v1/messages/batches")
@@ -112,7 +114,7 @@ async def list_batches():
         limit = limit_arg(request.args, 20, 1000)
     except Refusal as error:
         return refuse(error)
-    rows = await current_services().jobs.list(state=None, kind="message_batch", limit=limit, viewer=viewer())
+    rows = await required(current_services().jobs).list(state=None, kind="message_batch", limit=limit, viewer=viewer())
     data = [batch_object(r) for r in rows if not r.get("archived")]
     return json_response({"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
                           "last_id": data[-1]["id"] if data else None})

@@ -34,6 +34,7 @@ async def messages():
     if result.payload is not None:
         return Response(msgspec.json.encode(t.from_openai(result.payload, model, body.get("stop_sequences"))),
                         content_type="application/json", headers=result.headers)
+    assert result.chunks is not None  # not buffered and not raw_stream: a stream of chunk dicts
     response = Response(_events(model, result.chunks), content_type="text/event-stream",
                         headers={"cache-control": "no-cache", **result.headers})
     response.timeout = None

@@ -14,7 +14,7 @@ import trio
 from quart import Blueprint
 
 from blazar.fabric_config import parse_failover_target
-from dialects.current import current_services
+from dialects.current import current_services, required
 from dialects.edge import (
     Refusal,
     admit_request,
@@ -58,7 +58,7 @@ async def warm():
         who = msgspec.structs.replace(caller(), priority="low")  # the readiness check queues at low priority
         await admit_request(services, model, "tokens", who)  # the key's model scope and limits, like a request for it
         if not wait:
-            if not services.lane.warm(model):
+            if not required(services.lane).warm(model):
                 raise Refusal(503, "the text lane is too busy to take a warm request now", fix="retry in a moment")
             return json_response({"status": "ok"})
         started = time.perf_counter()
@@ -90,17 +90,19 @@ async def replicate():
                           f"{REPLICATE_DEFAULT_SECS}), got {timeout!r}")
     except (RequestError, Refusal) as error:
         return refuse(error)
+    remotes = services.remotes
+    assert remotes is not None  # _peers_arg refused a gateway with no [[remotes]]
     results: dict[str, dict[str, Any]] = {}
 
     async def one(name: str) -> None:
-        entry = services.remotes.entries[name]
+        entry = remotes.entries[name]
         if entry.kind != "blazar":
             results[name] = {"peer": name, "kind": entry.kind, "status": "skipped",
                              "reason": f"an {entry.kind} peer has no /api/warm: its models load on first request"}
             return
         started = time.perf_counter()
         try:
-            answer = await services.remotes.exchange(name, "POST", "/api/warm", msgspec.json.encode(
+            answer = await remotes.exchange(name, "POST", "/api/warm", msgspec.json.encode(
                 {"model": model, "wait": True}), float(timeout))
             try:
                 verbatim: Any = msgspec.json.decode(answer["body"])
@@ -113,7 +115,7 @@ async def replicate():
         except ActorUnavailable as error:
             results[name] = {"peer": name, "kind": entry.kind, "status": 504, "error": str(error)}
         with trio.move_on_after(15):  # the capacity cache of a touched peer is refreshed; never blocks long
-            await services.remotes.describe(name, refresh=True)
+            await remotes.describe(name, refresh=True)
 
     async with trio.open_nursery() as nursery:
         for name in peers:

@@ -35,7 +35,7 @@ async def list_jobs():
         limit = limit_arg(args, 50, 1000)
     except Refusal as error:
         return refuse(error)
-    rows = await current_services().jobs.list(state=state, kind=kind, limit=limit, viewer=viewer())
+    rows = await required(current_services().jobs).list(state=state, kind=kind, limit=limit, viewer=viewer())
     return json_response({"object": "list", "data": [job_view(r) for r in rows]})
 
 

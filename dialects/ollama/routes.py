@@ -15,7 +15,7 @@ from blazar import __version__
 from blazar.config import ConfigError, parse_duration
 from blazar.sysinfo import gpu_memory_by_pid
 from dialects.chat_core import ChatResult, StreamBroken, ToolCallAccumulator, completion_result
-from dialects.current import current_services
+from dialects.current import current_services, required
 from dialects.edge import (
     Refusal,
     admit_request,
@@ -214,7 +214,7 @@ async def ps():
     for row in rows:
         idle = row.get("idle_expires_in_secs")
         models.append({**row, "name": row["model"], "size": row.get("size_bytes", 0),
-                       "size_vram": vram.get(row.get("pid"), 0),  # a CPU engine holds nothing on a GPU
+                       "size_vram": vram.get(row["pid"], 0) if row.get("pid") else 0,  # a CPU engine: nothing on a GPU
                        "digest": row.get("digest", ""), "context_length": row.get("context"),
                        "expires_at": t.rfc3339(now + idle) if idle is not None else None,
                        "blazar_engine": row.get("engine")})
@@ -252,14 +252,14 @@ async def pull():
     try:
         body = await json_body()
         target = t.require_model(body)
-        job_id, progress = await services.jobs.create_watched("pull", model=target, key=owner(),
-                                                              request={"target": target})
+        job_id, progress = await required(services.jobs).create_watched("pull", model=target, key=owner(),
+                                                                        request={"target": target})
     except (RequestError, Refusal) as error:
         return refuse(error)
 
     async def outcome(last: dict[str, Any]) -> dict[str, Any] | None:
         """What the client has not seen of the job's end (a slow reader can miss progress lines)."""
-        row = await services.jobs.get(job_id)
+        row = await required(services.jobs).get(job_id)
         if row is None or row["state"] == "completed":
             return None if last.get("status") == "success" else {"status": "success"}
         error = msgspec.json.decode(row["error"]) if row["error"] else {"message": row["state"]}
@@ -498,8 +498,8 @@ async def rerank():
     try:
         body = await json_body()
         model = t.require_model(body)
-        reply = await forward(current_services(), model, UpstreamCall(
-            path="/v1/rerank", body=msgspec.json.encode(body)), caller())
+        reply = buffered(await forward(current_services(), model, UpstreamCall(
+            path="/v1/rerank", body=msgspec.json.encode(body)), caller()))
     except (RequestError, Refusal) as error:
         return refuse(error)
     return Response(reply.body, status=reply.status if reply.status < 500 else 502, content_type="application/json")

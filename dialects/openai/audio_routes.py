@@ -29,6 +29,7 @@ from dialects.edge import (
     caller,
     engine_failure,
     forward,
+    json_body,
     json_response,
     owner,
     refuse,
@@ -37,10 +38,10 @@ from dialects.edge import (
     viewer,
 )
 from dialects.roles import Role, role
-from dialects.wire import RequestError, decode_object
+from dialects.wire import RequestError
 from supervisors import transcode
 from supervisors.caller import Caller
-from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply
+from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply, UpstreamStream
 from supervisors.jobs import JobContext, JobFailed
 from supervisors.services import Services
 
@@ -349,7 +350,7 @@ async def speech_voice(services: Services, body: dict[str, Any]) -> str:
 async def speech():
     services = current_services()
     try:
-        body = decode_object(await request.get_data())
+        body = await json_body()
         speech_request = t.check_speech(body)
         if remote_of(services, str(body.get("model") or "")) is not None:
             return await _remote_speech(services, body)
@@ -365,7 +366,9 @@ async def speech():
             raise Refusal(400 if result.status < 500 else 502, f"piper refused: {result.engine_message}")
         headers = {"x-blazar-voice": voice}
         if fmt == "wav":
-            return Response(result.body, content_type=MIME["wav"], headers=headers)
+            return Response(buffered(result).body, content_type=MIME["wav"], headers=headers)
+        if not isinstance(result, UpstreamStream):  # asked to stream, the engine answered a non-200 without a body
+            raise Refusal(502, f"piper answered {result.status} instead of streaming audio")
         rate = await trio.to_thread.run_sync(_voice_rate, services, voice)
         headers["x-sample-rate"] = str(rate)
         children = services.paths.run / "children"  # ffmpeg's pidfile, as an engine's: the boot sweep reads it

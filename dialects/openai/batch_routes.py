@@ -17,9 +17,20 @@ from quart import Blueprint, Response, request
 from dialects.batches import ItemFailed, count_lines, counts_of, decode_lines, item_rows, run_items
 from dialects.chat_core import completion_result, run_chat
 from dialects.current import current_services, required
-from dialects.edge import Refusal, admit_work, caller, forward, json_response, limit_arg, owner, refuse, viewer
+from dialects.edge import (
+    Refusal,
+    admit_work,
+    caller,
+    forward,
+    json_body,
+    json_response,
+    limit_arg,
+    owner,
+    refuse,
+    viewer,
+)
 from dialects.roles import Role, role
-from dialects.wire import RequestError, check_choices, decode_object, require_model
+from dialects.wire import RequestError, check_choices, require_model
 from supervisors.caller import Caller
 from supervisors.instance import UpstreamCall
 from supervisors.jobs import TERMINAL, JobContext
@@ -275,7 +286,7 @@ def batch_object(row: dict[str, Any]) -> dict[str, Any]:
 async def create_batch():
     services = current_services()
     try:
-        body = decode_object(await request.get_data())
+        body = await json_body()
         endpoint = body.get("endpoint")
         if endpoint not in ENDPOINTS:
             raise RequestError(f"`endpoint` must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint")
@@ -300,9 +311,12 @@ async def create_batch():
     except (RequestError, Refusal) as error:
         return refuse(error)
     batch_id = f"batch_{secrets.token_hex(12)}"
-    await services.jobs.create("batch", model=None, key=owner(), job_id=batch_id, request={
+    jobs = required(services.jobs)
+    await jobs.create("batch", model=None, key=owner(), job_id=batch_id, request={
         "endpoint": endpoint, "input_file_id": file_id, "total": total, "metadata": metadata})
-    return json_response(batch_object(await services.jobs.get(batch_id)))
+    row = await jobs.get(batch_id)
+    assert row is not None  # created above; job rows are archived, never deleted
+    return json_response(batch_object(row))
 
 
 @blueprint.get("/v1/batches")
@@ -312,7 +326,7 @@ async def list_batches():
         limit = limit_arg(request.args, 20, 100)
     except Refusal as error:
         return refuse(error)
-    rows = await current_services().jobs.list(state=None, kind="batch", limit=limit, viewer=viewer())
+    rows = await required(current_services().jobs).list(state=None, kind="batch", limit=limit, viewer=viewer())
     data = [batch_object(r) for r in rows]
     return json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                           "last_id": data[-1]["id"] if data else None, "has_more": False})

@@ -10,16 +10,18 @@ Quart-Trio's own WebSocket support serves it, so it shares the gateway's one ser
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import trio
 from quart import Blueprint, websocket
+from quart.wrappers import Websocket
+from werkzeug.local import LocalProxy
 
 from blazar import audio_models
 from blazar.pcm import resample
 from dialects.chat_core import run_chat
-from dialects.current import current_services
+from dialects.current import current_services, required
 from dialects.edge import Refusal, acting_for, admit_request, caller_of, forward, owner
 from dialects.roles import Role, role
 from supervisors.actor import ActorError
@@ -99,7 +101,9 @@ async def realtime():
         await admit_request(services, "", "requests", who)
     except Refusal as refusal:
         return refusal.response(websocket.path)
-    connection = websocket._get_current_object()  # the work runs in the session supervisor's task
+    # The work runs in the session supervisor's task, outside this one's context: it holds the Websocket itself.
+    # (Quart types its context-local `websocket` as the Websocket; at runtime it is the proxy in front of it.)
+    connection = cast("LocalProxy[Websocket]", websocket)._get_current_object()
     session = RealtimeSession(settings, GatewayPipeline(services, key, settings.model, who.trace_id),
                               idle_ttl=services.config.realtime_idle_secs, hard_ttl=services.config.realtime_max_secs)
 
@@ -108,7 +112,7 @@ async def realtime():
         return await session.run(connection.receive, connection.send, stop)
 
     try:
-        ticket = await services.sessions.start("realtime", key, serve, lambda: {
+        ticket = await required(services.sessions).start("realtime", key, serve, lambda: {
             "session": session.id, "model": session.settings.model, "voice": session.settings.voice})
     except ActorError as error:
         return Refusal.from_err(error.err).response(websocket.path)

@@ -25,7 +25,7 @@ async def list_requests():
                                            "failed"):
         return Refusal(400, f"?state= must be one of queued, running, done, cancelled, interrupted, disconnected, "
                        f"failed; got {state!r}").response(request.path)
-    rows = await current_services().requests.list(request.args.get("model"), state, viewer())
+    rows = await required(current_services().requests).list(request.args.get("model"), state, viewer())
     return _json({"object": "list", "data": rows})
 
 

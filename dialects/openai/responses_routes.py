@@ -9,14 +9,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-from quart import Blueprint, Response, request
+from quart import Blueprint, Response
 
 from dialects.chat_core import StreamBroken, run_chat
 from dialects.current import current_services, required
-from dialects.edge import Refusal, acting_for, admit_work, caller, json_response, owner, refuse, viewer
+from dialects.edge import Refusal, acting_for, admit_work, caller, json_body, json_response, owner, refuse, viewer
 from dialects.roles import Role, role
 from dialects.session import RequestSession, flight_key
-from dialects.wire import RequestError, decode_object
+from dialects.wire import RequestError
 from supervisors.caller import Caller
 from supervisors.jobs import JobFailed
 from supervisors.responses import StoredResponse
@@ -100,14 +100,14 @@ async def run_background(services: Services, ctx: Any) -> dict[str, Any]:
 async def create_response():
     services = current_services()
     try:
-        body = decode_object(await request.get_data())
+        body = await json_body()
         t.check_request(body)
         response_id = t.new_id("resp")
         if body.get("background") is True:
             await _route_history(services, body)  # a missing previous response is refused now, not in the job
             await admit_work(services, caller(), body["model"])
-            await services.jobs.create("responses", model=body["model"], key=owner(),
-                                       request={"body": body}, job_id=response_id)
+            await required(services.jobs).create("responses", model=body["model"], key=owner(),
+                                                 request={"body": body}, job_id=response_id)
             queued = t.response_object(response_id, body, status="queued", output=[], usage=None,
                                        created=time.time(), conversation=t.conversation_name(body))
             return json_response(queued, status=202)
@@ -129,10 +129,12 @@ async def create_response():
                                 conversation=conversation)
         await _store(services, response_id, body, conversation, turn, message, obj, key)
         return json_response(obj, headers=result.headers)
+    chunks = result.chunks
+    assert chunks is not None  # not buffered and not raw_stream: a stream of chunk dicts
     streamed = t.StreamedResponse(response_id, body, conversation)
 
     async def events() -> AsyncIterator[bytes]:
-        async for frame in streamed.events(result.chunks, StreamBroken):
+        async for frame in streamed.events(chunks, StreamBroken):
             yield frame
         if streamed.final is not None:
             await _store(services, response_id, body, conversation, turn, streamed.message, streamed.final, key)

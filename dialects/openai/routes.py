@@ -75,9 +75,9 @@ async def chat_completions():
     if result.payload is not None:
         payload = result.payload
         if metadata is not None and payload.get("id"):
-            services.requests.save_completion({"id": payload["id"], "object": "chat.completion",
-                                               "created": payload.get("created"), "model": payload.get("model"),
-                                               "metadata": metadata, "key": owner()})
+            required(services.requests).save_completion({
+                "id": payload["id"], "object": "chat.completion", "created": payload.get("created"),
+                "model": payload.get("model"), "metadata": metadata, "key": owner()})
         return Response(msgspec.json.encode(payload), headers=headers, content_type="application/json")
     if result.chunks is not None:  # a forced tool call, replayed as chunks
         return _chunk_frames(result.chunks, headers)
