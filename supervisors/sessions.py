@@ -1,6 +1,7 @@
-"""The Session supervisor: every long-lived session (a /v1/realtime connection today; session pins and MCP
-servers join it) runs as a task in this actor's nursery, so it is listed while it lives, counted per key,
-and closed with a word to its client when the gateway drains.
+"""The Session supervisor: every long-lived session (a /v1/realtime connection; a streamed transcription's
+decoder and a live transcode's ffmpeg pipe, which outlive their route's handler; session pins and MCP servers
+join it) runs as a task in this actor's nursery, so it is listed while it lives, counted per key, and closed
+with a word to its client when the gateway drains. No route starts a task of its own.
 
 Lifecycle of one session (only this loop changes the table):
 
@@ -11,7 +12,8 @@ Lifecycle of one session (only this loop changes the table):
 - `Start` carries the session's work: an async function of a `stop` event. The supervisor starts it in its
   nursery and answers a `Ticket` (id, stop, done). The WebSocket route waits on `done`; if the route itself
   is cancelled (the client vanished), it cancels the ticket's scope.
-- Per key at most `per_key` sessions (0: no cap); over it, 429. While draining, 503.
+- Per key at most `per_key` capped sessions of a kind (0: no cap); over it, 429. While draining, 503. A stream's
+  task is not capped here (its request was admitted under the key's max_concurrent already).
 - `Drain` (sent by its own watcher when the gateway's drain event fires: the first SIGINT/SIGTERM) sets every
   session's `stop`; the sessions say goodbye and
   close, so the HTTP server's own drain is not left waiting on open sockets.
@@ -51,6 +53,7 @@ class Start(Envelope, frozen=True, kw_only=True, tag="start_session"):
     key: str | None
     work: Any  # Work
     describe: Any  # Callable[[], dict]: what the listing shows of it
+    capped: bool  # counts against realtime_sessions_per_key (a realtime connection does; a stream's task not)
 
 
 class _Ended(Envelope, frozen=True, kw_only=True, tag="session_ended"):
@@ -120,7 +123,7 @@ class SessionSupervisor(MessageLoop):
             return Err("gateway_draining", f"no new sessions: {self.draining}", fix="reconnect once it is back",
                        status=503, retry_after=1.0)
         held = sum(1 for live in self.live.values() if live.key == message.key and live.kind == message.kind)
-        if self.per_key and held >= self.per_key:
+        if message.capped and self.per_key and held >= self.per_key:
             whose = f"the API key {message.key!r}" if message.key is not None else "this gateway"
             return Err("sessions_exhausted", f"{whose} already has {held} open {message.kind} sessions; "
                        f"realtime_sessions_per_key allows {self.per_key}",
@@ -154,8 +157,20 @@ class SessionsClient:
     def __init__(self, mailbox: trio.MemorySendChannel) -> None:
         self.mailbox = mailbox
 
-    async def start(self, kind: str, key: str | None, work: Work, describe: Callable[[], dict[str, Any]]) -> Ticket:
-        return await call(self.mailbox, lambda r: Start(reply=r, kind=kind, key=key, work=work, describe=describe))
+    async def start(self, kind: str, key: str | None, work: Work, describe: Callable[[], dict[str, Any]], *,
+                    capped: bool) -> Ticket:
+        return await call(self.mailbox, lambda r: Start(reply=r, kind=kind, key=key, work=work, describe=describe,
+                                                        capped=capped))
+
+    async def run_task(self, kind: str, key: str | None, task: Callable[[], Awaitable[None]],
+                       describe: Callable[[], dict[str, Any]]) -> Ticket:
+        """A stream's task that outlives the route handler that starts it (its body is relayed afterwards):
+        run under this supervisor, listed while it runs, never capped; it ends when its work is done."""
+        async def work(stop: trio.Event) -> str:
+            await task()
+            return ""
+
+        return await self.start(kind, key, work, describe, capped=False)
 
     async def list(self, viewer: str | None = None) -> list[dict[str, Any]]:
         return await call(self.mailbox, lambda r: List(reply=r, viewer=viewer))

@@ -95,10 +95,12 @@ async def encode(pcm: bytes, rate: int, fmt: str, *, children: Path | None) -> b
     return bytes(out)
 
 
-def live(nursery: trio.Nursery, stream: UpstreamStream, rate: int, fmt: str, *,
-         children: Path | None) -> AsyncIterator[bytes]:
+async def live(start: Callable[[Callable[[], Awaitable[None]]], Awaitable[object]], stream: UpstreamStream,
+               rate: int, fmt: str, *, children: Path | None) -> AsyncIterator[bytes]:
     """The encoded bytes of a streaming piper reply (raw PCM16, sentence by sentence), as ffmpeg produces them.
-    The pipe is a task of `nursery`; closing or abandoning the returned iterator (the client hung up) stops
+    The pipe is a task that `start` runs under a supervisor (the session supervisor's `run_task`: it outlives
+    the route's handler, which returns the response first); closing or abandoning the returned iterator (the
+    client hung up) stops
     ffmpeg and closes `stream`'s channel, which stops the synthesis upstream. Raises TranscodeFailed (400)
     at once when ffmpeg is missing; a failure later ends the audio short (audio has no error frame)."""
     try:
@@ -123,10 +125,14 @@ def live(nursery: trio.Nursery, stream: UpstreamStream, rate: int, fmt: str, *,
                 log.warning("live ffmpeg exited %s: %s", code, stderr.decode(errors="replace")[-STDERR_TAIL:])
         except* (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the client left
-        except* Exception:  # a task of the app's nursery must never take the app down
+        except* Exception:  # a failed pipe ends this audio short, and nothing else
             log.exception("live transcoding failed")
 
-    nursery.start_soon(pipe)
+    try:
+        await start(pipe)
+    except BaseException:
+        stream.chunks.close()  # never started: nothing will read the synthesis
+        raise
 
     async def relay() -> AsyncIterator[bytes]:
         with receive:

@@ -335,6 +335,10 @@ async def test_a_client_hanging_up_stops_its_live_transcode(speech_home: Paths, 
                         break  # ffmpeg has produced something: it is live
                     while not (encoders := ffmpeg_children(info["pid"])):  # noqa: ASYNC110 - another process
                         await trio.sleep(0.05)
+                    # The pipe is a task of the session supervisor, not of the route: listed while it runs.
+                    sessions = (await client.get("/api/ps")).json()["sessions"]
+                    assert [(row["kind"], row["voice"], row["format"]) for row in sessions] == \
+                        [("transcode", VOICE, "mp3")], sessions
                 (encoder,) = encoders
                 with trio.fail_after(10):  # the client left with the stream context
                     while (children_dir / f"{encoder}.json").exists():  # noqa: ASYNC110 - the gateway's file

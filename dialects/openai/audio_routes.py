@@ -12,7 +12,7 @@ import secrets
 import shutil
 import urllib.parse
 import wave
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -20,7 +20,7 @@ import trio
 from quart import Blueprint, Response, request
 
 from blazar import audio_models
-from dialects.current import current_blazar, current_services, required
+from dialects.current import current_services, required
 from dialects.edge import (
     Refusal,
     acting_for,
@@ -129,7 +129,7 @@ async def _speech_to_text(task: str):
         if transcription.run_async:
             return await _submit_async(services, model, audio, filename, transcription, options)
         if transcription.stream:
-            return _streamed(services, model, audio, options, transcription)
+            return await _streamed(services, model, audio, options, transcription)
         return render(await _transcribe_once(services, model, audio, options, caller()), transcription)
     except (RequestError, Refusal) as error:
         return refuse(error)
@@ -180,11 +180,11 @@ def _sse(event: str, payload: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: ".encode() + msgspec.json.encode(payload) + b"\n\n"
 
 
-def _streamed(services: Services, model: str, audio: bytes, options: dict[str, Any],
+async def _streamed(services: Services, model: str, audio: bytes, options: dict[str, Any],
               transcription: t.TranscriptionRequest) -> Response:
-    """Window by window: a task of the app's nursery transcribes each window in order and hands the results
-    over a bounded channel; the response relays them, with a keep-alive comment every 15 s while a window
-    decodes. A client that hangs up closes the channel, and decoding stops at the next window."""
+    """Window by window: a task under the session supervisor transcribes each window in order and hands the
+    results over a bounded channel; the response relays them, with a keep-alive comment every 15 s while a
+    window decodes. A client that hangs up closes the channel, and decoding stops at the next window."""
     pieces = windows(audio, services.config.whisper_stream_chunk_ms)
     options = {**options, "word_timestamps": False}
     who = caller()
@@ -198,7 +198,7 @@ def _streamed(services: Services, model: str, audio: bytes, options: dict[str, A
                         offset_ms, await _transcribe_once(services, model, piece, options, who))
                 except Refusal as refusal:
                     result = refusal
-                except Exception as error:  # a task of the app's nursery must never take the app down
+                except Exception as error:  # the client gets a teaching error frame, not a cut stream
                     log.exception("streamed transcription failed")
                     result = Refusal(502, f"transcription failed: {type(error).__name__}: {error}")
                 try:
@@ -208,7 +208,8 @@ def _streamed(services: Services, model: str, audio: bytes, options: dict[str, A
                 if isinstance(result, Refusal):
                     return
 
-    current_blazar().nursery.start_soon(decode)
+    await required(services.sessions).run_task("transcription", who.key, decode,
+                                               lambda: {"model": f"whisper:{model}", "windows": len(pieces)})
 
     async def events() -> AsyncIterator[bytes]:
         segments: list[dict[str, Any]] = []
@@ -351,6 +352,7 @@ async def speech():
     services = current_services()
     try:
         body = await json_body()
+        who = caller()
         speech_request = t.check_speech(body)
         if remote_of(services, str(body.get("model") or "")) is not None:
             return await _remote_speech(services, body)
@@ -361,7 +363,7 @@ async def speech():
         raw = fmt != "wav"  # everything but a WAV starts as the voice's raw PCM, sentence by sentence
         result = await forward(services, voice, UpstreamCall(
             path="/synthesize", body=msgspec.json.encode({**speech_request["options"], "raw": raw}), stream=raw),
-            caller(), lane_kind="piper")
+            who, lane_kind="piper")
         if isinstance(result, UpstreamReply) and result.status >= 400:
             raise Refusal(400 if result.status < 500 else 502, f"piper refused: {result.engine_message}")
         headers = {"x-blazar-voice": voice}
@@ -375,7 +377,11 @@ async def speech():
         if fmt == "pcm":
             streamed = Response(_pcm_chunks(result), content_type=MIME["pcm"], headers=headers)
         elif stream:
-            live = transcode.live(current_blazar().nursery, result, rate, fmt, children=children)
+            async def start(pipe: Callable[[], Awaitable[None]]) -> None:
+                await required(services.sessions).run_task("transcode", who.key, pipe,
+                                                            lambda: {"voice": voice, "format": fmt})
+
+            live = await transcode.live(start, result, rate, fmt, children=children)
             streamed = Response(live, content_type=MIME[fmt], headers=headers)
         else:
             pcm = b"".join([chunk async for chunk in _pcm_chunks(result)])

@@ -113,7 +113,7 @@ async def realtime():
 
     try:
         ticket = await required(services.sessions).start("realtime", key, serve, lambda: {
-            "session": session.id, "model": session.settings.model, "voice": session.settings.voice})
+            "session": session.id, "model": session.settings.model, "voice": session.settings.voice}, capped=True)
     except ActorError as error:
         return Refusal.from_err(error.err).response(websocket.path)
     try:
