@@ -593,8 +593,9 @@ def sse_response(stream: UpstreamStream, rewrite: Callable[[bytes], bytes], erro
                  headers: dict[str, str] | None = None, *, control: Any = None,
                  interrupt_frame: Callable[[], bytes] | None = None, cancel_frame: Callable[[str], bytes] | None = None,
                  finish: Callable[[str], Any] | None = None) -> Response:
-    """Relay a stream as it arrives. A cancel/interrupt (checked at least every 250 ms) ends it with the
-    dialect's frame; closing the channel closes the upstream request, so the engine stops."""
+    """Relay a stream as it arrives. A cancel/interrupt from another connection cancels the wait for the next
+    chunk at once (each wait is a cancel scope the request's control holds, never spanning a yield) and ends
+    the stream with the dialect's frame; closing the channel closes the upstream request, so the engine stops."""
 
     async def body() -> AsyncIterator[bytes]:
         state = "disconnected"
@@ -602,12 +603,19 @@ def sse_response(stream: UpstreamStream, rewrite: Callable[[bytes], bytes], erro
             with stream.chunks:
                 while True:
                     item: Any = None
-                    with trio.move_on_after(0.25):
+                    with trio.CancelScope() as waiting:
+                        if control is not None:
+                            control.scopes.add(waiting)
+                            if control.stop.is_set():
+                                waiting.cancel()
                         try:
                             item = await stream.chunks.receive()
                         except trio.EndOfChannel:
                             state = "done"
                             return
+                        finally:
+                            if control is not None:
+                                control.scopes.discard(waiting)
                     if control is not None and control.stop.is_set():
                         if control.kind == "interrupt" and interrupt_frame is not None:
                             state = "interrupted"
@@ -617,8 +625,7 @@ def sse_response(stream: UpstreamStream, rewrite: Callable[[bytes], bytes], erro
                             yield (cancel_frame or error_frame)(
                                 f"request {control.id} was cancelled from another connection")
                         return
-                    if item is None:
-                        continue
+                    assert item is not None  # only a stop cancels the wait, and a stop ended the stream above
                     if isinstance(item, StreamFailure):
                         state = "failed"
                         yield error_frame(item.message)
