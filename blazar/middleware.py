@@ -79,7 +79,8 @@ class RequestLog:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                extra = [(k.encode(), v.encode()) for k, v in scope.get("blazar.reply_headers", {}).items()]
+                echo = scope.get("blazar.echo")  # a supervisors.caller.Echo, once a route built its caller
+                extra = [(k.encode(), v.encode()) for k, v in echo.headers.items()] if echo is not None else []
                 message["headers"] = [*message.get("headers", ()), (TRACE_HEADER, trace.encode()), *extra]
             await send(message)
 
@@ -92,7 +93,13 @@ class RequestLog:
                 from blazar.errors import dialect_for_path
 
                 self.obs.request(metrics_route(scope), dialect_for_path(scope["path"]),
-                                 scope.get("blazar.model") or "", status, elapsed)
+                                 _served_model(scope), status, elapsed)
+
+
+def _served_model(scope: Scope) -> str:
+    """The model that served the request (set by the relay once the name resolved), for the metrics' label."""
+    echo = scope.get("blazar.echo")
+    return echo.model if echo is not None else ""
 
 
 # What a request's metrics are labelled with when no route template is known: the layer that refused it

@@ -7,8 +7,10 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
 from blazar.errors import error_bytes
 from blazar.middleware import test_hooks_enabled
+from dialects.edge import respond
 from supervisors.actor import ActorError, ActorUnavailable
 from supervisors.jobs import JobKind
+from supervisors.refusal import Refusal
 from supervisors.services import Services
 
 from .admin.keys_routes import blueprint as keys
@@ -18,7 +20,6 @@ from .anthropic.batch_routes import run_message_batch
 from .anthropic.routes import blueprint as anthropic
 from .census import closest_routes
 from .current import BlazarApp
-from .edge import Refusal
 from .native.engine_routes import blueprint as native_engine
 from .native.fabric_routes import blueprint as fabric
 from .native.jobs_routes import blueprint as jobs
@@ -76,7 +77,7 @@ def create_app(services: Services) -> BlazarApp:
     @app.errorhandler(ActorError)
     async def teach_actor_error(error: ActorError) -> Response:
         """An actor's refusal that a route did not render itself: its own status, message and fix."""
-        return Refusal.from_err(error.err).response(request.path)
+        return respond(Refusal.from_err(error.err), request.path)
 
     @app.errorhandler(HTTPException)
     async def teach_http_error(error: HTTPException) -> Response:

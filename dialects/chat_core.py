@@ -19,10 +19,11 @@ from typing import Any
 
 import msgspec
 
-from dialects.edge import Refusal, buffered, engine_failure, forward
 from dialects.wire import SSEParser, ThinkFilter, bridge_reasoning, data_of, strip_think_buffered, thinking_requested
 from supervisors.caller import Caller
 from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply, UpstreamStream
+from supervisors.refusal import Refusal
+from supervisors.relay import buffered, engine_failure, forward
 from supervisors.services import Services
 
 

@@ -41,7 +41,7 @@ def required(client: T | None) -> T:
 
 def blazar_scope(scope: Any) -> dict[str, Any]:
     """An ASGI scope with the keys the middleware and the routes add ("blazar.key", "blazar.auth",
-    "blazar.model", "blazar.leases", "blazar.caller", "blazar.route", "blazar.reply_headers", "blazar.trace_id", …)."""
+    "blazar.leases", "blazar.caller", "blazar.echo", "blazar.route", "blazar.trace_id", …)."""
     return cast(dict[str, Any], scope)
 
 

@@ -23,9 +23,11 @@ from typing import Any, TypeVar
 
 from quart import Response, has_websocket_context, request, websocket
 
+from dialects.edge import respond
+from supervisors.refusal import Refusal
+
 from .census import spelled
 from .current import blazar_scope, key_record
-from .edge import Refusal
 
 View = TypeVar("View", bound=Callable[..., Any])
 ATTRIBUTE = "blazar_role"
@@ -104,7 +106,7 @@ def install(app: Any) -> None:
         method = "WEBSOCKET" if connection is websocket else connection.method
         what = f"{method} {rule.rule}" if declared is not None else \
             f"{method} {rule.rule} (a route that declares no role, so it is treated as admin-only)"
-        return admin_refusal(what, connection.scope).response(connection.path)
+        return respond(admin_refusal(what, connection.scope), connection.path)
 
     app.before_request(check)
     app.before_websocket(check)

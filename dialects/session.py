@@ -24,12 +24,14 @@ import trio
 from quart import Response, request
 
 from supervisors.caller import Caller
+from supervisors.refusal import Refusal
+from supervisors.relay import admit_request
 from supervisors.requests import RequestsClient
 from supervisors.services import Services
 
 from .chat_core import ChatResult, StreamBroken, run_chat
 from .current import blazar_scope
-from .edge import Refusal, admit_request, caller, follow_or_lead, owner, sse_response, tracked
+from .edge import caller, follow_or_lead, owner, sse_response, tracked
 
 PROGRESS_EVERY = 8  # text pieces between card updates: the card stays live without a message per token
 

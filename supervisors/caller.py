@@ -28,6 +28,16 @@ class LeaseBook:
         return not (self.once and self.held)
 
 
+class Echo:
+    """What the work tells the response of the request it serves: headers to add (`x-blazar-remote`,
+    `x-blazar-failover`, …) and the model that served it (the request metrics' label). The request-log
+    middleware reads it from the ASGI scope (`blazar.echo`); a job's echo is read by no one."""
+
+    def __init__(self) -> None:
+        self.headers: dict[str, str] = {}
+        self.model = ""
+
+
 class Caller(msgspec.Struct, frozen=True, kw_only=True):
     """Identity, permissions and schedule of one unit of work; every field is required."""
 
@@ -40,6 +50,7 @@ class Caller(msgspec.Struct, frozen=True, kw_only=True):
     trace_id: str  # the request's trace id; a job's unit of work has the job's
     hops: int  # gateways this request has already crossed (remote relays)
     leases: LeaseBook
+    echo: Echo
 
     def remote_headers(self) -> tuple[tuple[str, str], ...]:
         """What a relay to a remote peer passes on of the caller (the hop count is added by the relay)."""
@@ -52,4 +63,4 @@ def job_caller(key: str | None, *, trace_id: str, priority: str | None = "low") 
     """The caller of a job's unit of work (a batch item, an async transcription, a background response, a
     realtime turn): its owner's key, admitted per unit, at low priority unless a live client waits on it."""
     return Caller(key=key, admin=key is None, reshapes_engines=False, priority=priority, deadline_ms=None,
-                  num_ctx=None, trace_id=trace_id, hops=0, leases=LeaseBook(once=False))
+                  num_ctx=None, trace_id=trace_id, hops=0, leases=LeaseBook(once=False), echo=Echo())

@@ -10,9 +10,10 @@ from quart import Blueprint, Response, request
 
 from blazar.keys import KeyChangeError, check_new_key
 from dialects.current import current_services, key_record, required
-from dialects.edge import Refusal
+from dialects.edge import respond
 from dialects.roles import Role, role
 from supervisors.actor import ActorError, ActorUnavailable
+from supervisors.refusal import Refusal
 
 blueprint = Blueprint("keys", __name__)
 USAGE_DAYS = 30
@@ -47,18 +48,18 @@ def _name_arg() -> str:
 async def _ask(work: Any) -> Response:
     refusal = _manager_refusal()
     if refusal is not None:
-        return refusal.response(request.path)
+        return respond(refusal, request.path)
     try:
         return await work()
     except Refusal as error:
-        return error.response(request.path)
+        return respond(error, request.path)
     except KeyChangeError as error:
-        return Refusal(error.status, error.message, fix=error.fix).response(request.path)
+        return respond(Refusal(error.status, error.message, fix=error.fix), request.path)
     except ActorError as error:
-        return Refusal.from_err(error.err).response(request.path)
+        return respond(Refusal.from_err(error.err), request.path)
     except ActorUnavailable as error:
-        return Refusal(503, f"the key registry did not answer: {error}", fix="retry in a moment").response(
-            request.path)
+        return respond(Refusal(503, f"the key registry did not answer: {error}", fix="retry in a moment"),
+                       request.path)
 
 
 @blueprint.get("/api/keys")

@@ -14,9 +14,11 @@ from quart import Blueprint, Response, request
 
 from blazar.sysinfo import meminfo
 from dialects.current import current_services, key_record, required
-from dialects.edge import Refusal, num_ctx_header, residents
+from dialects.edge import num_ctx_header
 from dialects.roles import Role, caller_is_admin, require_scope, role
 from supervisors.actor import ActorError
+from supervisors.refusal import Refusal
+from supervisors.relay import residents
 from supervisors.services import Services
 
 blueprint = Blueprint("admin", __name__)

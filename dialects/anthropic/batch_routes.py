@@ -13,14 +13,16 @@ from typing import Any
 import msgspec
 from quart import Blueprint, Response, request
 
-from dialects.batches import RETENTION_SECS, ItemFailed, counts_of, expired, item_rows, run_items
 from dialects.chat_core import run_chat
 from dialects.current import current_services, required
-from dialects.edge import Refusal, admit_work, caller, json_body, json_response, limit_arg, owner, refuse, viewer
+from dialects.edge import caller, json_body, json_response, limit_arg, owner, refuse, viewer
 from dialects.roles import Role, role
 from dialects.wire import RequestError
+from supervisors.batches import RETENTION_SECS, ItemFailed, counts_of, expired, item_rows, run_items
 from supervisors.caller import Caller
 from supervisors.jobs import TERMINAL, JobContext
+from supervisors.refusal import Refusal
+from supervisors.relay import admit_work
 from supervisors.services import Services
 
 from . import translate as t

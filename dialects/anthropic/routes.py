@@ -10,10 +10,12 @@ from quart import Blueprint, Response
 
 from dialects.chat_core import StreamBroken
 from dialects.current import current_services
-from dialects.edge import Refusal, caller, count_input_tokens, json_body, refuse
+from dialects.edge import caller, json_body, refuse
 from dialects.roles import Role, role
 from dialects.session import chat_session
 from dialects.wire import RequestError
+from supervisors.refusal import Refusal
+from supervisors.relay import count_input_tokens
 
 from . import translate as t
 

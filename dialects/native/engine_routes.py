@@ -10,11 +10,13 @@ import msgspec
 from quart import Blueprint, Response, request
 
 from dialects.current import current_services, required
-from dialects.edge import Refusal, caller, forward, json_reply, sse_response, unload_anywhere
+from dialects.edge import caller, json_reply, respond, sse_response
 from dialects.openai.routes import openai_error_frame
 from dialects.roles import Role, role
 from dialects.wire import ChatStreamRewriter
 from supervisors.instance import UpstreamCall, UpstreamReply
+from supervisors.refusal import Refusal
+from supervisors.relay import forward, unload_anywhere
 
 blueprint = Blueprint("native_engine", __name__)
 
@@ -60,7 +62,7 @@ async def _native(path: str, method: str = "POST", *, stream_ok: bool = False):
             return json_reply(result)
         return sse_response(result, ChatStreamRewriter(strip_think=False).feed, openai_error_frame)
     except Refusal as error:
-        return error.response(request.path)
+        return respond(error, request.path)
 
 
 @blueprint.post("/tokenize")
@@ -123,7 +125,7 @@ async def slots():
 async def slot_action(slot_id: int):
     action = request.args.get("action")
     if action not in ("save", "restore", "erase"):
-        return Refusal(400, f"?action= must be save, restore or erase, got {action!r}").response(request.path)
+        return respond(Refusal(400, f"?action= must be save, restore or erase, got {action!r}"), request.path)
     return await _native(f"/slots/{slot_id}?action={action}")
 
 

@@ -15,23 +15,13 @@ from quart import Blueprint
 
 from blazar.fabric_config import parse_failover_target
 from dialects.current import current_services, required
-from dialects.edge import (
-    Refusal,
-    admit_request,
-    caller,
-    ensure_model,
-    json_body,
-    json_response,
-    refuse,
-    require_local,
-    residents,
-    submit,
-    where,
-)
+from dialects.edge import caller, json_body, json_response, refuse
 from dialects.roles import Role, role
 from dialects.wire import RequestError, require_model
 from supervisors.actor import ActorError, ActorUnavailable
 from supervisors.instance import UpstreamCall
+from supervisors.refusal import Refusal
+from supervisors.relay import admit_request, ensure_model, require_local, residents, submit, where
 from supervisors.services import Services
 
 blueprint = Blueprint("fabric", __name__)

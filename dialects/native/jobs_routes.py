@@ -11,9 +11,10 @@ import trio
 from quart import Blueprint, Response, request
 
 from dialects.current import current_services, required
-from dialects.edge import Refusal, json_response, limit_arg, refuse, viewer
+from dialects.edge import json_response, limit_arg, refuse, viewer
 from dialects.roles import Role, role
 from supervisors.jobs import TERMINAL, job_view
+from supervisors.refusal import Refusal
 
 blueprint = Blueprint("jobs", __name__)
 

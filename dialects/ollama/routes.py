@@ -16,28 +16,24 @@ from blazar.config import ConfigError, parse_duration
 from blazar.sysinfo import gpu_memory_by_pid
 from dialects.chat_core import ChatResult, StreamBroken, ToolCallAccumulator, completion_result
 from dialects.current import current_services, required
-from dialects.edge import (
-    Refusal,
-    admit_request,
-    buffered,
-    caller,
-    ensure_model,
-    forward,
-    json_body,
-    owner,
-    refuse,
-    require_local,
-    residents,
-    submit,
-    unload_anywhere,
-    viewer,
-)
+from dialects.edge import caller, json_body, owner, refuse, viewer
 from dialects.roles import Role, require_admin, require_scope, role
 from dialects.session import RequestSession, chat_session, flight_key
 from dialects.wire import RequestError
 from supervisors.actor import ActorError
 from supervisors.instance import UpstreamCall
 from supervisors.jobs import JobContext, JobFailed
+from supervisors.refusal import Refusal
+from supervisors.relay import (
+    admit_request,
+    buffered,
+    ensure_model,
+    forward,
+    require_local,
+    residents,
+    submit,
+    unload_anywhere,
+)
 from supervisors.services import Services
 
 from . import translate as t

@@ -21,28 +21,15 @@ from quart import Blueprint, Response, request
 
 from blazar import audio_models
 from dialects.current import current_services, required
-from dialects.edge import (
-    Refusal,
-    acting_for,
-    admit_work,
-    buffered,
-    caller,
-    engine_failure,
-    forward,
-    json_body,
-    json_response,
-    owner,
-    refuse,
-    remote_of,
-    residents,
-    viewer,
-)
+from dialects.edge import caller, json_body, json_response, owner, refuse, viewer
 from dialects.roles import Role, role
 from dialects.wire import RequestError
 from supervisors import transcode
 from supervisors.caller import Caller
 from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply, UpstreamStream
 from supervisors.jobs import JobContext, JobFailed
+from supervisors.refusal import Refusal
+from supervisors.relay import acting_for, admit_work, buffered, engine_failure, forward, remote_of, residents
 from supervisors.services import Services
 
 from . import audio_translate as t

@@ -14,26 +14,18 @@ import msgspec
 import trio
 from quart import Blueprint, Response, request
 
-from dialects.batches import ItemFailed, count_lines, counts_of, decode_lines, item_rows, run_items
+from dialects.batches import count_lines, decode_lines
 from dialects.chat_core import completion_result, run_chat
 from dialects.current import current_services, required
-from dialects.edge import (
-    Refusal,
-    admit_work,
-    caller,
-    forward,
-    json_body,
-    json_response,
-    limit_arg,
-    owner,
-    refuse,
-    viewer,
-)
+from dialects.edge import caller, json_body, json_response, limit_arg, owner, refuse, viewer
 from dialects.roles import Role, role
 from dialects.wire import RequestError, check_choices, require_model
+from supervisors.batches import ItemFailed, counts_of, item_rows, run_items
 from supervisors.caller import Caller
 from supervisors.instance import UpstreamCall
 from supervisors.jobs import TERMINAL, JobContext
+from supervisors.refusal import Refusal
+from supervisors.relay import admit_work, forward
 from supervisors.services import Services
 
 from .responses_routes import answer

@@ -22,11 +22,13 @@ from blazar import audio_models
 from blazar.pcm import resample
 from dialects.chat_core import run_chat
 from dialects.current import current_services, required
-from dialects.edge import Refusal, acting_for, admit_request, caller_of, forward, owner
+from dialects.edge import caller_of, owner, respond
 from dialects.roles import Role, role
 from supervisors.actor import ActorError
 from supervisors.instance import StreamFailure, UpstreamCall, UpstreamReply
 from supervisors.realtime import RealtimeSession, Settings, Sink
+from supervisors.refusal import Refusal
+from supervisors.relay import acting_for, admit_request, forward
 from supervisors.services import Services
 
 from .audio_routes import _transcribe_once, _voice_rate, whisper_model
@@ -100,7 +102,7 @@ async def realtime():
         who = caller_of(websocket.scope, websocket.headers)
         await admit_request(services, "", "requests", who)
     except Refusal as refusal:
-        return refusal.response(websocket.path)
+        return respond(refusal, websocket.path)
     # The work runs in the session supervisor's task, outside this one's context: it holds the Websocket itself.
     # (Quart types its context-local `websocket` as the Websocket; at runtime it is the proxy in front of it.)
     connection = cast("LocalProxy[Websocket]", websocket)._get_current_object()
@@ -115,7 +117,7 @@ async def realtime():
         ticket = await required(services.sessions).start("realtime", key, serve, lambda: {
             "session": session.id, "model": session.settings.model, "voice": session.settings.voice}, capped=True)
     except ActorError as error:
-        return Refusal.from_err(error.err).response(websocket.path)
+        return respond(Refusal.from_err(error.err), websocket.path)
     try:
         await ticket.done.wait()
     finally:

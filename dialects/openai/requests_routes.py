@@ -6,9 +6,10 @@ import msgspec
 from quart import Blueprint, Response, request
 
 from dialects.current import current_services, required
-from dialects.edge import Refusal, viewer
+from dialects.edge import respond, viewer
 from dialects.roles import Role, role
 from supervisors.actor import ActorError
+from supervisors.refusal import Refusal
 
 blueprint = Blueprint("requests", __name__)
 
@@ -23,8 +24,8 @@ async def list_requests():
     state = request.args.get("state")
     if state is not None and state not in ("queued", "running", "done", "cancelled", "interrupted", "disconnected",
                                            "failed"):
-        return Refusal(400, f"?state= must be one of queued, running, done, cancelled, interrupted, disconnected, "
-                       f"failed; got {state!r}").response(request.path)
+        return respond(Refusal(400, f"?state= must be one of queued, running, done, cancelled, interrupted, "
+                               f"disconnected, failed; got {state!r}"), request.path)
     rows = await required(current_services().requests).list(request.args.get("model"), state, viewer())
     return _json({"object": "list", "data": rows})
 
@@ -35,7 +36,7 @@ async def get_request(card_id: str):
     try:
         return _json(await required(current_services().requests).get(card_id, viewer()))
     except ActorError as error:
-        return Refusal.from_err(error.err).response(request.path)
+        return respond(Refusal.from_err(error.err), request.path)
 
 
 @blueprint.post("/v1/requests/<card_id>/cancel")
@@ -54,5 +55,5 @@ async def _signal(card_id: str, kind: str) -> Response:
     try:
         card = await required(current_services().requests).signal(card_id, kind, viewer())
     except ActorError as error:
-        return Refusal.from_err(error.err).response(request.path)
+        return respond(Refusal.from_err(error.err), request.path)
     return _json({**card, "signal": kind})

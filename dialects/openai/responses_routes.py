@@ -13,12 +13,14 @@ from quart import Blueprint, Response
 
 from dialects.chat_core import StreamBroken, run_chat
 from dialects.current import current_services, required
-from dialects.edge import Refusal, acting_for, admit_work, caller, json_body, json_response, owner, refuse, viewer
+from dialects.edge import caller, json_body, json_response, owner, refuse, viewer
 from dialects.roles import Role, role
 from dialects.session import RequestSession, flight_key
 from dialects.wire import RequestError
 from supervisors.caller import Caller
 from supervisors.jobs import JobFailed
+from supervisors.refusal import Refusal
+from supervisors.relay import acting_for, admit_work
 from supervisors.responses import StoredResponse
 from supervisors.services import Services
 

@@ -11,23 +11,14 @@ from quart import Blueprint, Response
 
 from dialects.chat_core import ChatResult, StreamBroken, completion_result, run_chat
 from dialects.current import current_services, required
-from dialects.edge import (
-    Refusal,
-    buffered,
-    caller,
-    count_input_tokens,
-    forward,
-    json_body,
-    json_reply,
-    owner,
-    refuse,
-    residents,
-)
+from dialects.edge import caller, json_body, json_reply, owner, refuse
 from dialects.roles import Role, role
 from dialects.session import RequestSession, flight_key
 from dialects.wire import ChatStreamRewriter, RequestError, check_choices, require_model
 from lanes import LANES
 from supervisors.instance import UpstreamCall
+from supervisors.refusal import Refusal
+from supervisors.relay import buffered, count_input_tokens, forward, residents
 
 from .translate import check_chat, check_metadata, structured_output_receipt
 
