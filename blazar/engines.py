@@ -1,4 +1,6 @@
-"""The engine roster: `$BLAZAR_HOME/engines/<tag>/` entries, one active, recorded in roster.json.
+"""The engine roster: `$BLAZAR_HOME/engines/<tag>/` entries, recorded in roster.json: one active llama.cpp engine
+(with a history to roll back through), and one active engine of each other lane kind that has a built engine
+(`sd-server` for the sdcpp lane) in `active_by_kind`.
 
 Blocking module (file I/O under a lock); async callers go through `trio.to_thread`.
 """
@@ -39,9 +41,10 @@ class EngineEntry(msgspec.Struct, kw_only=True):
 
 
 class RosterFile(msgspec.Struct, kw_only=True):
-    active: str | None = None
-    history: list[str] = []  # previously active tags, newest last (for rollback)
+    active: str | None = None  # the llama.cpp engine
+    history: list[str] = []  # previously active llama.cpp tags, newest last (for rollback)
     engines: dict[str, EngineEntry] = {}
+    active_by_kind: dict[str, str] = {}  # the active engine of every other kind: {"sdcpp": "sd-0.4.7-cpu"}
 
 
 class EngineError(TeachingError):
@@ -114,8 +117,17 @@ class Roster:
     # ------------------------------------------------------------ queries
 
     def active(self) -> EngineEntry | None:
+        """The active llama.cpp engine."""
         roster = self.read()
         return roster.engines.get(roster.active) if roster.active else None
+
+    def active_of(self, kind: str) -> EngineEntry | None:
+        """The active engine of a lane kind (llamacpp: the same as `active()`)."""
+        if kind == "llamacpp":
+            return self.active()
+        roster = self.read()
+        tag = roster.active_by_kind.get(kind)
+        return roster.engines.get(tag) if tag else None
 
     def require_active(self) -> EngineEntry:
         entry = self.active()
@@ -138,7 +150,10 @@ class Roster:
     def add(self, entry: EngineEntry, *, activate: bool = True) -> None:
         with self.editing() as roster:
             roster.engines[entry.tag] = entry
-            if activate or roster.active is None:
+            if entry.kind != "llamacpp":
+                if activate or entry.kind not in roster.active_by_kind:
+                    roster.active_by_kind[entry.kind] = entry.tag
+            elif activate or roster.active is None:
                 self._activate(roster, entry.tag)
 
     def use(self, tag: str) -> EngineEntry:
@@ -164,7 +179,7 @@ class Roster:
     def remove(self, tag: str) -> EngineEntry:
         with self.editing() as roster:
             tag = self._resolve(roster, tag)
-            if tag == roster.active:
+            if tag == roster.active or tag in roster.active_by_kind.values():
                 raise EngineError(f"{tag} is the active engine",
                                   fix="activate another first: blazar engine use TAG (or engine rollback)")
             users = [c for c in live_children(self.paths) if c.get("engine_tag") == tag]
@@ -182,7 +197,8 @@ class Roster:
     def prune(self, keep: int) -> list[str]:
         """Remove all but the `keep` newest engines; the active one always stays."""
         roster = self.read()
-        ordered = sorted(roster.engines.values(), key=lambda e: e.created_at, reverse=True)
+        ordered = sorted((e for e in roster.engines.values() if e.kind == "llamacpp"), key=lambda e: e.created_at,
+                         reverse=True)  # other kinds keep their one active engine
         kept = {e.tag for e in ordered[:keep]} | ({roster.active} if roster.active else set())
         busy = {c.get("engine_tag") for c in live_children(self.paths)}
         removed = []

@@ -37,7 +37,7 @@ def refuse(error: TeachingError) -> Response:
     from quart import request
 
     if not isinstance(error, Refusal):
-        error = Refusal(error.status, error.message, fix=error.fix)
+        error = Refusal(error.status, error.message, fix=error.fix, param=getattr(error, "param", None))
     return respond(error, request.path)
 
 

@@ -104,12 +104,22 @@ class Lane(Protocol[PlanT]):
     charge: str  # against a key's limits: "tokens" (the engine's counts) or "requests" (one per request)
     mailbox_size: int  # its lane supervisor's mailbox (a busier lane gets a deeper one)
     catch_all: bool  # takes the names no other lane claims (hub repositories): the llama.cpp lane
+    builds_engine: bool  # Blazar builds its engine from source (`blazar engine build cpu --lane KIND`)
+
+    def build_engine(self, paths: Any, progress: Callable[[str, float | None, str], None], *, backend: str,
+                     jobs: int | None) -> Any:
+        """Blocking: build (or find built) the lane's engine and make it the roster's active one of this kind;
+        returns its roster entry. Lanes whose engine is a Python package raise PlanRefused."""
 
     # ----- the lane's models: what `blazar pull`, `blazar rm`, `/api/pull` and `/api/delete` act on
 
     def claims(self, paths: Any, name: str) -> bool:
         """Blocking, quick: `name` is this lane's to install or remove (one of its installed models, or a name
         of its catalog). Only the catch-all lane may claim what it does not know."""
+
+    def resolve(self, paths: Any, name: str) -> str:
+        """Blocking: the name a resident of this lane is keyed by for `name` as a client spells it (an alias, a
+        quant suffix, `tiny.en` for `whisper:tiny.en`); raises StoreError (404) when the lane has no such model."""
 
     def install(self, paths: Any, name: str, *, force: bool, progress: Progress,
                 notes: Callable[[str], None]) -> Installed:

@@ -267,6 +267,15 @@ class LlamaCppLane:
     max_choices = MAX_CHOICES
     mailbox_size = 1024
     catch_all = True  # a hub repository no other lane claims is a GGUF repository to this lane
+    builds_engine = True
+
+    def build_engine(self, paths: Paths, progress: Any, *, backend: str, jobs: int | None) -> Any:
+        from blazar.engine_build import BuildRequest, build
+
+        request = BuildRequest(backend=backend)
+        if jobs:
+            request.jobs = jobs
+        return build(paths, request, progress)
 
     def claims(self, paths: Paths, name: str) -> bool:
         from blazar.pull import catalog_entry
@@ -276,6 +285,9 @@ class LlamaCppLane:
         except StoreError:
             return catalog_entry(name) is not None
         return True
+
+    def resolve(self, paths: Paths, name: str) -> str:
+        return Store(paths).resolve(name)
 
     def install(self, paths: Paths, name: str, *, force: bool, progress: Progress,
                 notes: Callable[[str], None]) -> Installed:

@@ -49,6 +49,11 @@ class SpeechLane:
     charge = "requests"
     mailbox_size = 256
     catch_all = False
+    builds_engine = False  # the engine is a Python package of Blazar's environment
+
+    def build_engine(self, paths: Any, progress: Any, *, backend: str, jobs: int | None) -> Any:
+        raise PlanRefused(f"the {self.kind} lane's engine is a Python package, installed with Blazar; there is "
+                          "nothing to build", fix="./scripts/setup installs it")
 
     # ----- models: the audio store (blazar.audio_models), one catalog kind per lane
 
@@ -75,6 +80,15 @@ class SpeechLane:
         catalog_name = self.catalog_name(name)
         entry = audio_models.CATALOG.get(catalog_name)
         return (entry is not None and entry.kind == self.catalog_kind) or catalog_name in self.installed(paths)
+
+    def resolve(self, paths: Any, name: str) -> str:
+        from blazar.store import StoreError
+
+        catalog_name = self.catalog_name(name)
+        if catalog_name not in self.installed(paths):
+            raise StoreError(f"no {self.kind} model {name!r} is installed", fix="GET /v1/models lists what is",
+                             status=404)
+        return self.served_name(catalog_name)
 
     def install(self, paths: Any, name: str, *, force: bool, progress: Progress,
                 notes: Callable[[str], None]) -> Installed:

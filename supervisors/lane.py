@@ -41,7 +41,7 @@ import trio
 from blazar.config import Config, parse_duration
 from blazar.errors import TeachingError
 from blazar.paths import Paths
-from blazar.store import Store, StoreError
+from blazar.store import StoreError
 from blazar.sysinfo import meminfo
 from lanes.base import Lane, PlanRefused
 
@@ -367,7 +367,7 @@ class LaneSupervisor(MessageLoop):
 
     async def _resolve_then_unload(self, message: Unload) -> None:
         try:
-            resolved = await trio.to_thread.run_sync(Store(self.paths).resolve, message.model)
+            resolved = await trio.to_thread.run_sync(self.lane.resolve, self.paths, message.model)
         except StoreError as error:
             answer(message.reply, Err("model_not_found", error.message, fix=error.fix, status=404))
             return

@@ -16,10 +16,11 @@ from .actor import Err
 
 class Refusal(TeachingError):
     def __init__(self, status: int, message: str, *, code: str | None = None, fix: str = "",
-                 retry_after: float = 0.0) -> None:
+                 retry_after: float = 0.0, param: str | None = None) -> None:
         super().__init__(message, fix, status)
         self.code = code
         self.retry_after = retry_after
+        self.param = param  # the request field at fault (OpenAI's error `param`), when one is
 
     @classmethod
     def from_err(cls, err: Err) -> Refusal:
@@ -31,5 +32,7 @@ class Refusal(TeachingError):
     def body(self, path: str) -> bytes:
         """The error body in the dialect of `path` (blazar.errors.error_bytes)."""
         message = f"{self.message} (fix: {self.fix})" if self.fix else self.message
-        extra = {"hint": self.fix} if self.fix else {}
+        extra: dict[str, str] = {"hint": self.fix} if self.fix else {}
+        if self.param:
+            extra["param"] = self.param
         return error_bytes(path, self.status, message, **extra)

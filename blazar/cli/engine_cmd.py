@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import asyncclick as click
 import msgspec
@@ -13,6 +14,7 @@ import trio
 from blazar.cli.output import EXIT_UNAVAILABLE, emit_json, fail, note, say
 from blazar.config import ConfigError, ConfigFile
 from blazar.engines import EngineEntry, EngineError, Roster
+from blazar.errors import TeachingError
 from blazar.paths import Paths
 
 json_option = click.option("--json", "as_json", is_flag=True, help="JSONL on stdout.")
@@ -26,7 +28,7 @@ def _row(entry: EngineEntry, active: str | None) -> dict:
     return {**msgspec.to_builtins(entry), "active": entry.tag == active}
 
 
-def _fail(error: EngineError) -> None:
+def _fail(error: TeachingError) -> None:
     fail(error.message, fix=error.fix)
 
 
@@ -83,13 +85,24 @@ def engine() -> None:
 @click.option("--jobs", "-j", type=int, help="Parallel compile jobs (default: all cores).")
 @click.option("--arch", help="CUDA architectures, e.g. 90 or '86;89' (default: detected through NVML).")
 @click.option("--no-activate", is_flag=True, help="Add to the roster without making it active.")
+@click.option("--lane", "lane_kind", help="Build only this lane's engine (sdcpp: sd-server). Default: llama-server, "
+              "then the engine of every other lane that has installed models and builds its engine from source.")
 @json_option
 async def build_(backend: str, source_dir: Path | None, version: str | None, jobs: int | None, arch: str | None,
-                 no_activate: bool, as_json: bool) -> None:
-    """Build llama-server (+ llama-quantize, rpc-server) from llama.cpp source with cmake."""
+                 no_activate: bool, lane_kind: str | None, as_json: bool) -> None:
+    """Build llama-server (+ llama-quantize, rpc-server) from llama.cpp source with cmake, and the engines the
+    installed lanes need (sd-server when a diffusion model is installed)."""
     from blazar.engine_build import BuildRequest, build
+    from lanes import LANES
 
     paths = Paths.from_env().ensure()
+    builders = {kind: lane for kind, lane in LANES.items() if lane.builds_engine and kind != "llamacpp"}
+    if lane_kind is not None and lane_kind != "llamacpp":
+        if lane_kind not in builders:
+            fail(f"--lane {lane_kind}: no lane of that kind builds an engine",
+                 fix=f"one of: llamacpp, {', '.join(builders)}")
+        await _build_lane(paths, builders[lane_kind], backend, jobs, as_json)
+        return
     request = BuildRequest(backend=backend, source_dir=source_dir, version=version, cuda_arch=arch,
                            activate=not no_activate)
     if jobs:
@@ -109,6 +122,26 @@ async def build_(backend: str, source_dir: Path | None, version: str | None, job
     else:
         say(f"built {entry.tag} in {seconds:.0f}s: {entry.binary}"
             + (" (active)" if roster.active == entry.tag else ""))
+    if lane_kind is None:  # what the installed lanes need
+        for lane in builders.values():
+            if await trio.to_thread.run_sync(lane.list_models, paths):
+                await _build_lane(paths, lane, backend, jobs, as_json)
+
+
+async def _build_lane(paths: Paths, lane: Any, backend: str, jobs: int | None, as_json: bool) -> None:
+    progress = BuildProgress(as_json)
+    started = time.monotonic()
+    try:
+        entry = await trio.to_thread.run_sync(lambda: lane.build_engine(paths, progress, backend=backend, jobs=jobs))
+    except TeachingError as error:
+        progress.close()
+        _fail(error)
+    progress.close()
+    seconds = time.monotonic() - started
+    if as_json:
+        emit_json({"event": "done", "lane": lane.kind, "seconds": round(seconds, 1), **_row(entry, entry.tag)})
+    else:
+        say(f"{lane.kind}: {entry.tag} ready in {seconds:.0f}s: {entry.binary} (active for the {lane.kind} lane)")
 
 
 @engine.command("list")
