@@ -30,6 +30,7 @@ from .openai.audio_routes import blueprint as audio
 from .openai.audio_routes import run_audio_job
 from .openai.batch_routes import blueprint as openai_batches
 from .openai.batch_routes import run_openai_batch
+from .openai.images_routes import blueprint as images
 from .openai.realtime_routes import blueprint as realtime
 from .openai.requests_routes import blueprint as request_cards
 from .openai.responses_routes import blueprint as responses
@@ -58,7 +59,7 @@ def create_app(services: Services) -> BlazarApp:
     app.config["BODY_TIMEOUT"] = None
     app.config["RESPONSE_TIMEOUT"] = None
     for blueprint in (native, openai, request_cards, native_engine, ollama, anthropic, admin, keys, jobs, responses,
-                      fabric, openai_batches, anthropic_batches, audio, realtime):
+                      fabric, openai_batches, anthropic_batches, audio, realtime, images):
         app.register_blueprint(blueprint)
     install_roles(app)
     if test_hooks_enabled():

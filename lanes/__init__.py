@@ -10,12 +10,14 @@ from typing import Any
 from .base import Lane
 from .llamacpp import LlamaCppLane
 from .piper import PiperLane
+from .sdcpp import SdCppLane
 from .whisper import WhisperLane
 
 LANES: dict[str, Lane] = {
     "llamacpp": LlamaCppLane(),
     "whisper": WhisperLane(),
     "piper": PiperLane(),
+    "sdcpp": SdCppLane(),
 }
 
 
