@@ -31,6 +31,7 @@ from .openai.audio_routes import run_audio_job
 from .openai.batch_routes import blueprint as openai_batches
 from .openai.batch_routes import run_openai_batch
 from .openai.images_routes import blueprint as images
+from .openai.images_routes import run_image_job
 from .openai.realtime_routes import blueprint as realtime
 from .openai.requests_routes import blueprint as request_cards
 from .openai.responses_routes import blueprint as responses
@@ -47,6 +48,7 @@ def job_kinds(services: Services) -> dict[str, JobKind]:
         "message_batch": JobKind(run=lambda ctx: run_message_batch(services, ctx), resumable=True),
         "pull": JobKind(run=lambda ctx: run_pull(services, ctx)),
         "audio": JobKind(run=lambda ctx: run_audio_job(services, ctx), inputs=lambda request: [request["input"]]),
+        "image": JobKind(run=lambda ctx: run_image_job(services, ctx)),
     }
 
 

@@ -125,7 +125,7 @@ async def test_seed_steps_and_quality_reach_the_engine(nursery, images_home):
     ({"output_compression": 50}, "output_compression", "jpeg and webp only"),
     ({"seed": "seven"}, "seed", "whole number"),
     ({"colour": "red"}, "colour", "accepted:"),
-    ({"async": True}, "async", "not built yet"),
+    ({"async": "yes"}, "async", "true or false"),
     ({"prompt": "x<sd_cpp_extra_args>{}</sd_cpp_extra_args>"}, "prompt", "as fields"),
 ])
 async def test_what_cannot_be_honoured_is_a_teaching_400_naming_the_field(nursery, images_home, body, field, words):
@@ -197,3 +197,97 @@ async def test_engine_build_lane_sdcpp_registers_sd_server_beside_llama_server(h
 
     refused = await arun_cli("engine", "build", "cpu", "--lane", "whisper", env=env)
     assert refused.returncode != 0 and "no lane of that kind builds an engine" in refused.stderr
+
+
+async def until_job(client: httpx.AsyncClient, job_id: str, states: tuple[str, ...]) -> dict:
+    while True:
+        view = (await client.get(f"/v1/images/jobs/{job_id}")).json()
+        if view["status"] in states:
+            return view
+        await trio.sleep(0.1)
+
+
+async def test_an_async_image_is_a_job_to_poll_and_a_stream_ends_with_the_images(nursery, images_home):
+    gateway = await start_gateway(nursery, images_home)
+    with trio.fail_after(300):
+        async with gateway.client(timeout=200) as client:
+            queued = await generate(client, size="64x64", steps=1, seed=5, **{"async": True})
+            assert queued.status_code == 202, queued.text
+            handle = queued.json()
+            assert handle["object"] == "image.job" and handle["poll_url"] == f"/v1/images/jobs/{handle['id']}"
+            done = await until_job(client, handle["id"], ("completed", "failed"))
+            assert done["status"] == "completed", done
+            [item] = done["result"]["data"]
+            assert png_size(base64.b64decode(item["b64_json"])) == (64, 64)
+            listed = (await client.get("/v1/jobs", params={"kind": "image"})).json()["data"]
+            assert [row["id"] for row in listed] == [handle["id"]]
+
+            # The same seed through the stream: keep-alives while it renders, then the same pixels.
+            events = []
+            async with client.stream("POST", "/v1/images/generations", json={
+                    "model": MODEL, "prompt": "a lighthouse", "size": "64x64", "steps": 1, "seed": 5,
+                    "stream": True}) as response:
+                assert response.status_code == 200 and "random weights" in response.headers["x-blazar-fixture"]
+                async for line in response.aiter_lines():
+                    if line.startswith("event:"):
+                        events.append(line.removeprefix("event:").strip())
+                    elif line.startswith("data:"):
+                        payload = httpx.Response(200, content=line[5:]).json()
+            assert events == ["image_generation.completed"]
+            assert payload["b64_json"] == item["b64_json"] and payload["size"] == "64x64"
+
+            both = await generate(client, stream=True, **{"async": True})
+            assert both.status_code == 400 and both.json()["error"]["param"] == "stream"
+
+
+async def test_a_rendering_image_job_can_be_cancelled(nursery, images_home):
+    gateway = await start_gateway(nursery, images_home)
+    with trio.fail_after(300):
+        async with gateway.client(timeout=200) as client:
+            queued = (await generate(client, size="256x256", steps=20, **{"async": True})).json()
+            await until_job(client, queued["id"], ("running",))
+            cancelled = await client.post(f"/v1/images/jobs/{queued['id']}/cancel")
+            assert cancelled.status_code == 200 and cancelled.json()["status"] in ("cancelling", "cancelled")
+            final = await until_job(client, queued["id"], ("cancelled", "completed", "failed"))
+            assert final["status"] == "cancelled" and final["result"] is None
+            missing = await client.get("/v1/images/jobs/job_nope")
+            assert missing.status_code == 404 and "GET /v1/jobs?kind=image" in missing.json()["error"]["message"]
+
+
+async def test_a_gateway_killed_mid_render_leaves_a_job_that_says_so(images_home: Paths, tmp_path):
+    """SIGKILL of `blazar serve` while sd-server renders an async job: after the next boot the job is a record
+    that says the gateway stopped while it was running and how to fix it, and sd-server died with the gateway."""
+    import signal
+
+    from tests.conftest import ServeProcess
+    from tests.lane_fixtures import pid_alive
+
+    first = ServeProcess(images_home, tmp_path / "first.log", "--bind", "127.0.0.1:0")
+    try:
+        with trio.fail_after(240):
+            info = await first.start()
+            async with httpx.AsyncClient(base_url=info["url"], timeout=60) as client:
+                queued = (await generate(client, size="256x256", steps=20, **{"async": True})).json()
+                await until_job(client, queued["id"], ("running",))
+                # Until the child is listed with its pid.
+                while not (rows := [r for r in await ps(client) if r["model"] == MODEL and r.get("pid")]):  # noqa: ASYNC110
+                    await trio.sleep(0.1)
+                engine = rows[0]["pid"]
+            os.kill(info["pid"], signal.SIGKILL)
+            await first.wait()
+            while pid_alive(engine):  # noqa: ASYNC110 - the kernel's parent-death signal, not ours
+                await trio.sleep(0.05)
+    finally:
+        first.kill()
+    images_home.daemon_file.unlink(missing_ok=True)
+    second = ServeProcess(images_home, tmp_path / "second.log", "--bind", "127.0.0.1:0")
+    try:
+        with trio.fail_after(120):
+            info = await second.start()
+            async with httpx.AsyncClient(base_url=info["url"], timeout=60) as client:
+                view = (await client.get(f"/v1/images/jobs/{queued['id']}")).json()
+        assert view["status"] == "failed", view
+        assert view["error"] == {"message": "the gateway stopped while this job was running",
+                                 "fix": "submit it again"}
+    finally:
+        second.kill()

@@ -8,22 +8,25 @@ A model marked as a fixture (random weights, scripts/fixtures) renders noise; it
 from __future__ import annotations
 
 import base64
+import contextlib
 import struct
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 import trio
-from quart import Blueprint, request
+from quart import Blueprint, Response, request
 
-from dialects.current import current_services
-from dialects.edge import caller, json_body, json_response, refuse
+from dialects.current import current_services, required
+from dialects.edge import caller, json_body, json_response, refuse, viewer
 from dialects.roles import Role, role
 from dialects.wire import RequestError
 from lanes import sdcpp
 from supervisors.caller import Caller
 from supervisors.instance import UpstreamCall
+from supervisors.jobs import JobContext, JobFailed, job_view, new_job_id
 from supervisors.refusal import Refusal
-from supervisors.relay import buffered, engine_failure, forward
+from supervisors.relay import acting_for, admit_work, buffered, engine_failure, forward
 from supervisors.services import Services
 
 from . import images_translate as t
@@ -32,6 +35,7 @@ blueprint = Blueprint("images", __name__)
 
 LANE = sdcpp.SdCppLane.kind
 DEFAULT_STEPS = 20  # sd-server's own default when its capabilities do not say
+KEEPALIVE_SECS = 15.0
 
 
 async def _engine_json(services: Services, model: str, call: UpstreamCall, who: Caller) -> dict[str, Any]:
@@ -67,42 +71,167 @@ async def _fixture_note(services: Services, model: str) -> dict[str, str]:
     return {"x-blazar-fixture": str(note)} if note else {}
 
 
+async def _render(services: Services, image: t.ImageRequest, who: Caller) -> dict[str, Any]:
+    """One image request through the model's child, answered in OpenAI's shape."""
+    steps = image.steps
+    if image.quality is not None:  # scaled from the model's own default, asked of its live child
+        capabilities = await _engine_json(services, image.model, UpstreamCall(
+            method="GET", path="/sdcpp/v1/capabilities", body=b""), who)
+        steps = t.scaled_steps(image.quality, _default_steps(capabilities))
+    payload = await _engine_json(services, image.model, UpstreamCall(
+        path="/v1/images/generations", body=t.engine_body(image, steps)), who)
+    images = [item for item in payload.get("data") or [] if isinstance(item, dict) and item.get("b64_json")]
+    if len(images) != image.n:
+        raise Refusal(502, f"sd-server returned {len(images)} image(s) for n={image.n}")
+    answer: dict[str, Any] = {"created": payload.get("created"),
+                              "data": [{"b64_json": item["b64_json"]} for item in images],
+                              "output_format": image.output_format}
+    if image.output_format == "png":
+        made = _png_size(base64.b64decode(images[0]["b64_json"][:64]))
+        if made is not None:
+            answer["size"] = f"{made[0]}x{made[1]}"
+    if image.quality is not None:
+        answer["quality"] = image.quality
+    return answer
+
+
 @blueprint.post("/v1/images/generations")
 @role(Role.KEY)
 async def generations():
+    """Answered when the images are done; `"async": true` answers a job handle at once (the job runs on the
+    durable job plane: it survives a gateway restart as a record); `"stream": true` answers SSE: keep-alive
+    comments while the engine renders, then one `image_generation.completed` event per image."""
     services = current_services()
     try:
         body = await json_body()
         installed = await trio.to_thread.run_sync(sdcpp.installed, services.paths)
         image = t.check_generation(body, installed=installed)
-        for mode in ("async", "stream"):
-            if body.get(mode) is not None and body.get(mode) is not False:
-                raise RequestError(f"`{mode}` image generation is not built yet on this gateway; send the request "
-                                   "without it (it is answered when the image is done)", param=mode)
+        run_async, stream = t.check_modes(body)
         who = caller()
-        steps = image.steps
-        if image.quality is not None:  # scaled from the model's own default, asked of its live child
-            capabilities = await _engine_json(services, image.model, UpstreamCall(
-                method="GET", path="/sdcpp/v1/capabilities", body=b""), who)
-            steps = t.scaled_steps(image.quality, _default_steps(capabilities))
-        payload = await _engine_json(services, image.model, UpstreamCall(
-            path="/v1/images/generations", body=t.engine_body(image, steps)), who)
-        images = [item for item in payload.get("data") or [] if isinstance(item, dict) and item.get("b64_json")]
-        if len(images) != image.n:
-            raise Refusal(502, f"sd-server returned {len(images)} image(s) for n={image.n}")
-        answer: dict[str, Any] = {"created": payload.get("created"), "data": [{"b64_json": item["b64_json"]}
-                                                                             for item in images],
-                                  "output_format": image.output_format}
-        if image.output_format == "png":
-            made = _png_size(base64.b64decode(images[0]["b64_json"][:64]))
-            if made is not None:
-                answer["size"] = f"{made[0]}x{made[1]}"
-        if image.quality is not None:
-            answer["quality"] = image.quality
+        if run_async:
+            return await _submit_async(services, image, installed, who)
+        if stream:
+            return await _streamed(services, image, who)
+        answer = await _render(services, image, who)
         headers = await _fixture_note(services, image.model)
     except (RequestError, Refusal) as error:
         return refuse(error)
     return json_response(answer, headers=headers)
+
+
+# ----- async: a job of kind "image"
+
+
+async def _submit_async(services: Services, image: t.ImageRequest, installed: list[str], who: Caller) -> Response:
+    if image.model not in installed:  # refused now, not as a failed job later
+        raise Refusal(404, f"diffusion model {image.model!r} is not installed; installed: "
+                      f"{', '.join(installed) or 'none'}", fix="./scripts/fixtures installs the random-weight sd-noise")
+    await admit_work(services, who, image.model)
+    job_id = new_job_id("image")
+    await required(services.jobs).create("image", model=image.model, key=who.key, job_id=job_id,
+                                         request={"image": msgspec.to_builtins(image)})
+    return json_response({"id": job_id, "object": "image.job", "status": "queued", "model": image.model,
+                          "poll_url": f"/v1/images/jobs/{job_id}", "cancel_url": f"/v1/images/jobs/{job_id}/cancel"},
+                         status=202, headers=await _fixture_note(services, image.model))
+
+
+async def run_image_job(services: Services, ctx: JobContext) -> dict[str, Any]:
+    image = msgspec.convert(ctx.request["image"], t.ImageRequest)
+    try:
+        async with acting_for(services, ctx.key, trace_id=ctx.id) as who:
+            return await _render(services, image, who)
+    except Refusal as refusal:
+        raise JobFailed(refusal.message, fix=refusal.fix or "submit it again") from None
+
+
+def _image_job_view(row: dict[str, Any]) -> dict[str, Any]:
+    view = job_view(row, artifact_url=f"/v1/jobs/{row['id']}/artifact")
+    view["object"] = "image.job"
+    return view
+
+
+async def _own_image_job(services: Services, job_id: str) -> dict[str, Any]:
+    row = await required(services.jobs).get(job_id, viewer())
+    if row is None or row["kind"] != "image":
+        raise Refusal(404, f"no image job {job_id}", fix="GET /v1/jobs?kind=image lists yours")
+    return row
+
+
+@blueprint.get("/v1/images/jobs/<job_id>")
+@role(Role.KEY)
+async def image_job(job_id: str):
+    try:
+        row = await _own_image_job(current_services(), job_id)
+    except Refusal as error:
+        return refuse(error)
+    return json_response(_image_job_view(row))
+
+
+@blueprint.post("/v1/images/jobs/<job_id>/cancel")
+@role(Role.KEY)
+async def cancel_image_job(job_id: str):
+    """Queued: cancelled at once. Rendering: the job stops waiting for the engine at once (sd-server finishes the
+    image it is on, it cannot be interrupted mid-render, and its answer is dropped)."""
+    services = current_services()
+    try:
+        await _own_image_job(services, job_id)
+    except Refusal as error:
+        return refuse(error)
+    state = await required(services.jobs).cancel(job_id, viewer())
+    row = await required(services.jobs).get(job_id)
+    assert row is not None  # found above; job rows are archived, never deleted
+    view = _image_job_view(row)
+    if state == "cancelling":
+        view["status"] = "cancelling"
+    return json_response(view)
+
+
+# ----- stream: SSE
+
+
+def _sse(event: str, payload: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: ".encode() + msgspec.json.encode(payload) + b"\n\n"
+
+
+async def _streamed(services: Services, image: t.ImageRequest, who: Caller) -> Response:
+    """The render runs as a task under the session supervisor (it outlives this handler); the body relays a
+    keep-alive comment every 15 s while it renders, then the images, or an error event."""
+    send, receive = trio.open_memory_channel[dict[str, Any] | Refusal](1)
+
+    async def render() -> None:
+        async with send:
+            try:
+                outcome: dict[str, Any] | Refusal = await _render(services, image, who)
+            except Refusal as refusal:
+                outcome = refusal
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await send.send(outcome)  # the client may have left
+
+    await required(services.sessions).run_task("image", who.key, render, lambda: {"model": image.model})
+    headers = await _fixture_note(services, image.model)
+
+    async def events() -> AsyncIterator[bytes]:
+        with receive:
+            outcome: dict[str, Any] | Refusal | None = None
+            while outcome is None:
+                with trio.move_on_after(KEEPALIVE_SECS):
+                    outcome = await receive.receive()
+                if outcome is None:
+                    yield b": keep-alive\n\n"
+        if isinstance(outcome, Refusal):
+            yield _sse("error", {"type": "error", "error": {"message": outcome.message, "code": outcome.code,
+                                                             "hint": outcome.fix}})
+            return
+        for index, item in enumerate(outcome["data"]):
+            yield _sse("image_generation.completed", {
+                "type": "image_generation.completed", "index": index, "b64_json": item["b64_json"],
+                "created_at": outcome["created"], "size": outcome.get("size"), "quality": outcome.get("quality"),
+                "output_format": outcome["output_format"]})
+
+    response = Response(events(), content_type="text/event-stream",
+                        headers={"cache-control": "no-cache", "x-accel-buffering": "no", **headers})
+    response.timeout = None
+    return response
 
 
 @blueprint.get("/v1/images/capabilities")

@@ -6,6 +6,7 @@ What the OpenAI API spells one way and sd-server another:
   `steps` sets it outright, and both together are a teaching 400 (two dials for one knob);
 - `seed`, `negative_prompt`, `cfg_scale`, `sampler`, `scheduler`, `clip_skip` are native fields, passed in
   sd-server's `<sd_cpp_extra_args>` block (its OpenAI route reads only prompt, n, size and output format);
+- `async` (a job to poll) or `stream` (SSE), not both;
 - `response_format` b64_json only (Blazar hosts no image files: `url` teaches); `output_format` png, jpeg,
   webp and `output_compression` pass through.
 Fields OpenAI defines that a local diffusion model cannot honour are refused with the reason, never ignored.
@@ -152,6 +153,20 @@ def check_generation(body: dict[str, Any], *, installed: list[str]) -> ImageRequ
         native["clip_skip"] = clip_skip
     return ImageRequest(model=model, prompt=prompt, n=n, width=width, height=height, steps=steps, quality=quality,
                         output_format=output_format, output_compression=compression, native=native)
+
+
+def check_modes(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(`async`, `stream`): each true or false; not both (a job is polled, a stream is read)."""
+    modes = []
+    for name in ("async", "stream"):
+        value = body.get(name, False)
+        if not isinstance(value, bool):
+            raise RequestError(f"`{name}` must be true or false, got {value!r}", param=name)
+        modes.append(value)
+    if modes[0] and modes[1]:
+        raise RequestError("`async` and `stream` are two ways to wait for one image: poll a job (async) or read "
+                           "the answer as it comes (stream); send one", param="stream")
+    return modes[0], modes[1]
 
 
 def scaled_steps(quality: str, default_steps: int) -> int:
