@@ -30,7 +30,7 @@ DEFAULT_CALL_TIMEOUT = 30.0
 
 
 class Ok(msgspec.Struct, frozen=True, tag="ok"):
-    value: Any = None
+    value: Any
 
 
 class Err(msgspec.Struct, frozen=True, tag="err"):
@@ -47,9 +47,14 @@ Reply = Ok | Err
 
 
 class Envelope(msgspec.Struct, frozen=True, tag_field="op"):
-    """Base for mailbox messages. `reply` is a size-1 channel, or None for fire-and-forget."""
+    """Base for mailbox messages. `reply` is a size-1 channel, or None for fire-and-forget.
 
-    reply: Any = None
+    Every field of a message is required, `reply` included: a sender says `reply=None` when it wants
+    no answer, so a `call()` whose builder forgets its reply channel fails the type check instead of
+    waiting out its deadline.
+    """
+
+    reply: Any
 
 
 class ActorError(Exception):

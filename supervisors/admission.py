@@ -151,7 +151,7 @@ class AdmissionActor(MessageLoop):
     async def _ticker(self) -> None:
         while True:
             await trio.sleep(FLUSH_EVERY_SECS)
-            tell(self.mailbox, _Tick())
+            tell(self.mailbox, _Tick(reply=None))
 
     def _counters(self, key: str) -> _Counters:
         counters = self.counters.get(key)
@@ -182,7 +182,7 @@ class AdmissionActor(MessageLoop):
     async def _write_in_background(self, pending: dict[tuple[str, str], list[int]]) -> None:
         failed = await self._write(pending)
         if failed:
-            tell(self.mailbox, _Written(failed=failed))
+            tell(self.mailbox, _Written(reply=None, failed=failed))
 
     async def handle(self, message: Envelope) -> Reply | None:
         key: str | None  # a Release may find no lease
@@ -309,10 +309,10 @@ class AdmissionClient:
 
     async def release(self, lease: int) -> None:
         # Waits for room rather than dropping: a lost release would hold a max_concurrent slot forever.
-        await self.mailbox.send(Release(lease=lease))
+        await self.mailbox.send(Release(reply=None, lease=lease))
 
     def charge(self, key: str, tokens: int) -> None:
-        if not tell(self.mailbox, Charge(key=key, tokens=tokens)):
+        if not tell(self.mailbox, Charge(reply=None, key=key, tokens=tokens)):
             log.warning("admission mailbox full: %d tokens of %s not counted", tokens, key)
 
     async def set_keys(self, table: KeyTable) -> None:

@@ -35,7 +35,7 @@ class Report(Envelope, frozen=True, kw_only=True, tag="report"):
     chain: str
     index: int
     ok: bool
-    reason: str = ""
+    reason: str  # why the target failed; "" when ok
 
 
 class Pin(Envelope, frozen=True, kw_only=True, tag="pin"):
@@ -44,7 +44,7 @@ class Pin(Envelope, frozen=True, kw_only=True, tag="pin"):
 
 
 class Show(Envelope, frozen=True, kw_only=True, tag="show"):
-    chain: str | None = None  # name or alias; None: every chain
+    chain: str | None  # name or alias; None: every chain
 
 
 @dataclass

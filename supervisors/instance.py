@@ -93,7 +93,7 @@ class UpstreamReply(msgspec.Struct, frozen=True, kw_only=True):
     body: bytes
     content_type: str
     queued_secs: float
-    engine_message: str = ""  # for a 4xx/5xx: the engine's own words, read by its lane
+    engine_message: str  # "" or, for a 4xx/5xx: the engine's own words, read by its lane
 
 
 class StreamChunk(msgspec.Struct, frozen=True, kw_only=True):
@@ -110,7 +110,7 @@ class UpstreamStream(msgspec.Struct, frozen=True, kw_only=True):
     status: int
     chunks: Any  # trio.MemoryReceiveChannel[StreamChunk | StreamFailure]
     queued_secs: float
-    content_type: str = "text/event-stream"
+    content_type: str
 
 
 class Submit(Envelope, frozen=True, kw_only=True, tag="submit"):
@@ -128,7 +128,7 @@ class Withdraw(Envelope, frozen=True, kw_only=True, tag="withdraw"):
 
 class Stop(Envelope, frozen=True, kw_only=True, tag="stop"):
     reason: str
-    if_idle: bool = False
+    if_idle: bool  # True: refuse (409 busy) while a request is queued or running, or the model still loads
 
 
 class Describe(Envelope, frozen=True, kw_only=True, tag="describe"):
@@ -364,7 +364,7 @@ class Instance:
                     return
                 self.handle(message)
                 continue
-            self.handle(_Timer())
+            self.handle(_Timer(reply=None))
 
     def handle(self, message: Envelope) -> None:
         """One message through the transition table."""
@@ -531,7 +531,7 @@ class Instance:
         self.by_ticket.clear()
 
     def _event(self) -> InstanceEvent:
-        return InstanceEvent(key=self.key, serial=self.serial, state=str(self.state), detail=self.failure,
+        return InstanceEvent(reply=None, key=self.key, serial=self.serial, state=str(self.state), detail=self.failure,
                              crashed=self.crashed, snapshot=self.describe())
 
     def _report(self, *, force: bool = False) -> None:
@@ -579,14 +579,14 @@ class Instance:
             await self.child.wait_ready(self.http, f"http://127.0.0.1:{self.port}{self.engine_lane.health_path}",
                                         self.spawn_timeout)
         except ChildFailed as failure:
-            tell(self.mailbox, _SpawnFailed(reason=str(failure)))
+            tell(self.mailbox, _SpawnFailed(reply=None, reason=str(failure)))
             return
-        await self.mailbox.send(_Ready())
+        await self.mailbox.send(_Ready(reply=None))
 
     async def _on_child_exit(self, code: int) -> None:
         assert self.mailbox is not None  # run() set it before the child was spawned
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await self.mailbox.send(_Exited(returncode=code))
+            await self.mailbox.send(_Exited(reply=None, returncode=code))
 
     async def _terminate(self) -> None:
         if self.child is None or self.child.process is None:
@@ -628,7 +628,7 @@ class Instance:
                 assert self.mailbox is not None  # run() set it before serving anything
                 with trio.CancelScope(shield=True), contextlib.suppress(trio.BrokenResourceError,
                                                                         trio.ClosedResourceError):
-                    await self.mailbox.send(_Finished(ticket=waiter.ticket, clean=clean))
+                    await self.mailbox.send(_Finished(reply=None, ticket=waiter.ticket, clean=clean))
 
     def _child_alive(self) -> bool:
         return self.child is not None and self.child.alive
@@ -668,7 +668,8 @@ class Instance:
                 send, receive = trio.open_memory_channel[StreamChunk | StreamFailure](STREAM_BUFFER)
                 with send:
                     if not answer(waiter.reply, Ok(UpstreamStream(status=200, chunks=receive,
-                                                                  queued_secs=queued_secs))):
+                                                                  queued_secs=queued_secs,
+                                                                  content_type="text/event-stream"))):
                         return True  # the caller left before the first byte
                     try:
                         broken = await pump_stream(response, send, seen)

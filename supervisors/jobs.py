@@ -66,10 +66,10 @@ class JobContext:
     _mailbox: trio.MemorySendChannel
 
     def event(self, kind: str, **detail: Any) -> None:
-        tell(self._mailbox, _Event(id=self.id, kind=kind, detail=detail))
+        tell(self._mailbox, _Event(reply=None, id=self.id, kind=kind, detail=detail))
 
     def progress(self, **fields: Any) -> None:
-        tell(self._mailbox, _Progress(id=self.id, fields=fields))
+        tell(self._mailbox, _Progress(reply=None, id=self.id, fields=fields))
 
 
 Runner = Callable[[JobContext], Awaitable[Any]]
@@ -240,7 +240,7 @@ class JobSupervisor(MessageLoop):
         with live.scope:
             try:
                 async with self.slots.hold(context.key):
-                    await self.mailbox.send(_Started(id=context.id))
+                    await self.mailbox.send(_Started(reply=None, id=context.id))
                     result = await self.kinds[context.kind].run(context)
                 state = "completed"
             except JobFailed as failure:
@@ -252,7 +252,7 @@ class JobSupervisor(MessageLoop):
             state, error = "cancelled", None
         with trio.CancelScope(shield=True):
             await self._remove_inputs(self.kinds[context.kind], context.request)
-            await self.mailbox.send(_Done(id=context.id, state=state, result=result, error=error))
+            await self.mailbox.send(_Done(reply=None, id=context.id, state=state, result=result, error=error))
 
     @staticmethod
     async def _remove_inputs(kind: JobKind, request: dict[str, Any]) -> None:

@@ -61,12 +61,12 @@ GONE_STATES = (State.DRAINING, State.STOPPING, State.STOPPED, State.FAILED)
 class Ensure(Envelope, frozen=True, kw_only=True, tag="ensure"):
     model: str
     num_ctx: int | None
-    spawn_options: dict[str, Any] | None = None  # Ollama spawn options; None: any resident child will do
+    spawn_options: dict[str, Any] | None  # Ollama spawn options; None: any resident child will do
 
 
 class Unload(Envelope, frozen=True, kw_only=True, tag="unload"):
     model: str
-    resolved: bool = False
+    resolved: bool
 
 
 class Ps(Envelope, frozen=True, kw_only=True, tag="ps"):
@@ -233,8 +233,8 @@ class LaneSupervisor(MessageLoop):
             except ActorUnavailable as error:
                 refusal = Err("placement_unavailable", f"the placement actor did not answer: {error}",
                               fix="retry in a moment", status=503)
-        await self.mailbox.send(_Planned(request=request, plan=plan, refusal=refusal, mem_available=available,
-                                         room=room))
+        await self.mailbox.send(_Planned(reply=None, request=request, plan=plan, refusal=refusal,
+                                         mem_available=available, room=room))
 
     def _planned(self, message: _Planned) -> None:
         pending = self.planning.pop(message.request, _Pending())
@@ -277,7 +277,7 @@ class LaneSupervisor(MessageLoop):
         if previous is not None:
             # A context or spawn option change (restart once) or a child on its way out: it drains, the
             # new one waits for it.
-            tell(previous.mailbox, Stop(reason=f"restarting with context {plan.context}"))
+            tell(previous.mailbox, Stop(reply=None, reason=f"restarting with context {plan.context}", if_idle=False))
             self.draining[previous.serial] = self.residents.pop(plan.model)
             return Ok(self._start(plan, [previous.gone], probe, room)), True
         gone = self._make_room(plan)
@@ -321,7 +321,7 @@ class LaneSupervisor(MessageLoop):
             live.remove(victim)
             log.info("evicting %s (least recently used) to make room for %s", victim.key, plan.model)
             self._record("evict", victim.key, reason="resident cap")
-            tell(victim.mailbox, Stop(reason="evicted: least recently used, to make room"))
+            tell(victim.mailbox, Stop(reply=None, reason="evicted: least recently used, to make room", if_idle=False))
             self.draining[victim.serial] = self.residents.pop(victim.key)
             gone.append(victim.gone)
         return gone
@@ -362,7 +362,7 @@ class LaneSupervisor(MessageLoop):
         if resident is None:
             return Err("not_loaded", f"{message.model} is not loaded", fix="blazar ps lists loaded models",
                        status=404)
-        tell(resident.mailbox, Stop(reply=message.reply, reason="unloaded on request"))
+        tell(resident.mailbox, Stop(reply=message.reply, reason="unloaded on request", if_idle=False))
         return None  # the instance answers once its child is gone
 
     async def _resolve_then_unload(self, message: Unload) -> None:
@@ -464,7 +464,8 @@ class LaneSupervisor(MessageLoop):
             return
         log.info("evicting %s (least recently used across lanes) to make room for %s", resident.key, for_model)
         self._record("evict", resident.key, reason=f"placement: room for {for_model}")
-        tell(resident.mailbox, Stop(reason=f"evicted: least recently used, to make room for {for_model}"))
+        tell(resident.mailbox, Stop(reply=None, reason=f"evicted: least recently used, to make room for {for_model}",
+                                         if_idle=False))
         self.draining[resident.serial] = self.residents.pop(resident.key)
 
     def _recent_crashes(self, key: str) -> int:
@@ -581,7 +582,7 @@ class LaneClient:
     def warm(self, model: str) -> bool:
         """Start loading `model` without waiting for it (its planning refusals go nowhere: a warm request
         is advice). False when the lane's mailbox is full."""
-        return tell(self.mailbox, Ensure(reply=None, model=model, num_ctx=None))
+        return tell(self.mailbox, Ensure(reply=None, model=model, num_ctx=None, spawn_options=None))
 
     def forget(self, handle: Handle) -> None:
         """That instance refused or is gone: the next request for it asks the lane."""
@@ -589,7 +590,7 @@ class LaneClient:
             del self.handles[shape]
 
     async def unload(self, model: str) -> dict[str, Any]:
-        return await call(self.mailbox, lambda r: Unload(reply=r, model=model), within=60)
+        return await call(self.mailbox, lambda r: Unload(reply=r, model=model, resolved=False), within=60)
 
     async def ps(self) -> list[dict[str, Any]]:
         return await call(self.mailbox, lambda r: Ps(reply=r))

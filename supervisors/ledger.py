@@ -20,12 +20,12 @@ from .actor import Envelope, Err, MessageLoop, Ok, Reply, call, tell
 
 class Execute(Envelope, frozen=True, kw_only=True, tag="execute"):
     sql: str
-    params: tuple = ()
+    params: tuple
 
 
 class Query(Envelope, frozen=True, kw_only=True, tag="query"):
     sql: str
-    params: tuple = ()
+    params: tuple
 
 
 class LedgerActor(MessageLoop):
@@ -75,7 +75,7 @@ class LedgerClient:
 
     def record_event(self, kind: str, *, model: str | None = None, **detail: Any) -> bool:
         """Fire-and-forget: an event log must never slow or fail the request that caused it."""
-        return tell(self.mailbox, Execute(
+        return tell(self.mailbox, Execute(reply=None,
             sql="INSERT INTO events (ts, kind, model, detail) VALUES (?, ?, ?, ?)",
             params=(time.time(), kind, model, json.dumps(detail, default=str)),
         ))

@@ -182,7 +182,7 @@ class PlacementActor(MessageLoop):
             log.info("evicting %s (%s lane, least recently used) to make room for %s", victim.model, victim.lane,
                      message.model)
             assert victim.serial is not None
-            tell(victim.lane_mailbox, EvictForRoom(serial=victim.serial, for_model=message.model))
+            tell(victim.lane_mailbox, EvictForRoom(reply=None, serial=victim.serial, for_model=message.model))
         reservation = next(self._ids)
         self.rows[reservation] = Row(reservation=reservation, lane=message.lane, lane_mailbox=message.lane_mailbox,
                                      model=message.model, size_bytes=message.size_bytes, gpu=message.gpu)
@@ -211,13 +211,13 @@ class PlacementClient:
                                                           size_bytes=size_bytes, gpu=gpu, replacing=replacing))
 
     def placed(self, reservation: int, serial: int, gone: trio.Event) -> None:
-        self._tell(Placed(reservation=reservation, serial=serial, gone=gone))
+        self._tell(Placed(reply=None, reservation=reservation, serial=serial, gone=gone))
 
     def seen(self, reservation: int, state: str, last_used: float) -> None:
-        self._tell(Seen(reservation=reservation, state=state, last_used=last_used))
+        self._tell(Seen(reply=None, reservation=reservation, state=state, last_used=last_used))
 
     def released(self, reservation: int) -> None:
-        self._tell(Released(reservation=reservation))
+        self._tell(Released(reply=None, reservation=reservation))
 
     async def describe(self) -> dict[str, Any]:
         return await call(self.mailbox, lambda r: Describe(reply=r))

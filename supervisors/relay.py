@@ -176,7 +176,7 @@ async def submit(services: Services, handle: Handle, upstream: UpstreamCall, who
     except ActorUnavailable as error:
         raise Refusal(502, f"{handle.key}'s instance stopped answering: {error}") from None
     except BaseException:
-        tell(handle.mailbox, Withdraw(ticket=ticket))  # the client left while queued: free its place now
+        tell(handle.mailbox, Withdraw(reply=None, ticket=ticket))  # the client left while queued: free its place now
         raise
 
 

@@ -70,32 +70,32 @@ def broken_answer(status: int) -> bool:
 class RemoteSubmit(Envelope, frozen=True, kw_only=True, tag="remote_submit"):
     call: UpstreamCall
     model: str  # the model's name on the peer
-    headers: tuple[tuple[str, str], ...] = ()  # the client's headers passed on (trace, priority, hops)
-    on_usage: Callable[[int], None] | None = None
+    headers: tuple[tuple[str, str], ...]  # the client's headers passed on (trace, priority, hops)
+    on_usage: Callable[[int], None] | None
 
 
 class Exchange(Envelope, frozen=True, kw_only=True, tag="exchange"):
     method: str
     path: str
-    body: bytes = b""
-    timeout_secs: float = 30.0
+    body: bytes
+    timeout_secs: float
 
 
 class Describe(Envelope, frozen=True, kw_only=True, tag="describe"):
-    refresh: bool = False  # read the peer's capacity first (bounded by its connect timeout)
+    refresh: bool  # read the peer's capacity first (bounded by its connect timeout)
 
 
 class _Outcome(Envelope, frozen=True, kw_only=True, tag="outcome"):
     ok: bool
-    error: str = ""
-    probe: bool = False  # a health probe, not a request: it moves reach, never the breaker
-    breaker_probe: int | None = None  # the breaker's ticket when this request was its half-open probe
+    error: str
+    probe: bool  # a health probe, not a request: it moves reach, never the breaker
+    breaker_probe: int | None  # the breaker's ticket when this request was its half-open probe
 
 
 class _Probed(Envelope, frozen=True, kw_only=True, tag="probed"):
     ok: bool
-    error: str = ""
-    capacity: dict[str, Any] | None = None
+    error: str
+    capacity: dict[str, Any] | None
 
 
 class RemotePeer(MessageLoop):
@@ -199,7 +199,7 @@ class RemotePeer(MessageLoop):
 
     def _probed(self, message: _Probed) -> None:
         self.probing = False
-        self._outcome(_Outcome(ok=message.ok, error=message.error, probe=True))
+        self._outcome(_Outcome(reply=None, ok=message.ok, error=message.error, probe=True, breaker_probe=None))
         if message.capacity is not None:
             self.capacity, self.capacity_at = lane.capacity_summary(message.capacity), time.time()
         waiters, self.refresh_waiters = self.refresh_waiters, []
@@ -247,7 +247,7 @@ class RemotePeer(MessageLoop):
 
     async def _report(self, ok: bool, error: str = "", breaker_probe: int | None = None) -> None:
         with trio.CancelScope(shield=True), contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await self.mailbox.send(_Outcome(ok=ok, error=error, breaker_probe=breaker_probe))
+            await self.mailbox.send(_Outcome(reply=None, ok=ok, error=error, probe=False, breaker_probe=breaker_probe))
 
     async def _relay(self, message: RemoteSubmit, path: str, breaker_probe: int | None) -> None:
         ok, error = True, ""
@@ -363,26 +363,26 @@ class RemotePeer(MessageLoop):
     async def _probe(self) -> None:
         assert self.pool is not None
         path = PROBE_PATHS[self.entry.kind]
-        result = _Probed(ok=False, error="")
+        result = _Probed(reply=None, ok=False, error="", capacity=None)
         try:
             with trio.fail_after(self.entry.connect_timeout_secs + 10):
                 response = await self.pool.request("GET", self.base + path, headers=self._headers([], (), None),
                                                    extensions=self._extensions(10.0))
             if response.status >= 400:
-                result = _Probed(ok=False, error=f"{path} answered {response.status}: "
-                                 f"{lane.error_text(response.content)[:300]}")
+                result = _Probed(reply=None, ok=False, error=f"{path} answered {response.status}: "
+                                 f"{lane.error_text(response.content)[:300]}", capacity=None)
             else:
                 capacity = None
                 if self.entry.kind == "blazar":
                     with contextlib.suppress(msgspec.DecodeError):
                         decoded = msgspec.json.decode(response.content)
                         capacity = decoded if isinstance(decoded, dict) else None
-                result = _Probed(ok=True, capacity=capacity)
+                result = _Probed(reply=None, ok=True, error="", capacity=capacity)
         except trio.TooSlowError:
-            result = _Probed(ok=False, error=f"remote {self.entry.name} ({self.shown_url}) did not answer {path} "
-                             "in time")
+            result = _Probed(reply=None, ok=False, capacity=None,
+                             error=f"remote {self.entry.name} ({self.shown_url}) did not answer {path} in time")
         except TRANSPORT_ERRORS as error:
-            result = _Probed(ok=False, error=self._failure_text(error))
+            result = _Probed(reply=None, ok=False, error=self._failure_text(error), capacity=None)
         with trio.CancelScope(shield=True), contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await self.mailbox.send(result)
 

@@ -47,41 +47,41 @@ class Open(Envelope, frozen=True, kw_only=True, tag="open"):
     trace_id: str
     model: str
     route: str
-    stream: bool = False
-    flight_key: str | None = None  # singleflight: join the flight of identical requests
-    key: str | None = None  # the API key that made it (None on an open gateway)
+    stream: bool
+    flight_key: str | None  # singleflight: join the flight of identical requests
+    key: str | None  # the API key that made it (None on an open gateway)
 
 
 class Update(Envelope, frozen=True, kw_only=True, tag="update"):
     id: str
-    fields: dict = {}
-    partial: str = ""  # appended
+    fields: dict
+    partial: str  # appended
 
 
 class Close(Envelope, frozen=True, kw_only=True, tag="close"):
     id: str
-    state: str = "done"
-    fields: dict = {}
-    partial: str = ""
-    flight_key: str | None = None  # singleflight: hand `result` to the followers
-    result: Any = None
+    state: str
+    fields: dict
+    partial: str
+    flight_key: str | None  # singleflight: hand `result` to the followers
+    result: Any
 
 
 class Get(Envelope, frozen=True, kw_only=True, tag="get"):
     id: str
-    viewer: str | None = None  # a scoped key's name: it sees only its own cards; None sees all
+    viewer: str | None  # a scoped key's name: it sees only its own cards; None sees all
 
 
 class List(Envelope, frozen=True, kw_only=True, tag="list"):
-    model: str | None = None
-    state: str | None = None
-    viewer: str | None = None
+    model: str | None
+    state: str | None
+    viewer: str | None
 
 
 class Signal(Envelope, frozen=True, kw_only=True, tag="signal"):
     id: str
-    kind: str = "cancel"
-    viewer: str | None = None
+    kind: str
+    viewer: str | None
 
 
 class SaveCompletion(Envelope, frozen=True, kw_only=True, tag="save_completion"):
@@ -215,11 +215,11 @@ class RequestsClient:
                                                          stream=stream, flight_key=flight_key, key=key))
 
     def update(self, card_id: str, partial: str = "", **fields: Any) -> None:
-        tell(self.mailbox, Update(id=card_id, fields=fields, partial=partial))
+        tell(self.mailbox, Update(reply=None, id=card_id, fields=fields, partial=partial))
 
     async def close(self, card_id: str, state: str, *, partial: str = "", flight_key: str | None = None,
                     result: Any = None, **fields: Any) -> None:
-        message = Close(id=card_id, state=state, fields=fields, partial=partial, flight_key=flight_key,
+        message = Close(reply=None, id=card_id, state=state, fields=fields, partial=partial, flight_key=flight_key,
                         result=result)
         try:
             self.mailbox.send_nowait(message)  # no scheduler pass on the way out of every request
@@ -239,7 +239,7 @@ class RequestsClient:
         return await call(self.mailbox, lambda r: Signal(reply=r, id=card_id, kind=kind, viewer=viewer))
 
     def save_completion(self, card: dict[str, Any]) -> None:
-        tell(self.mailbox, SaveCompletion(card=card))
+        tell(self.mailbox, SaveCompletion(reply=None, card=card))
 
     async def update_completion(self, card_id: str, metadata: dict[str, str], owner: str | None) -> dict[str, Any]:
         return await call(self.mailbox, lambda r: UpdateCompletion(reply=r, id=card_id, metadata=metadata,

@@ -81,7 +81,7 @@ class ResponseStore(MessageLoop):
 
     async def _sweeper(self) -> None:
         while True:
-            await self.mailbox.send(_Sweep())
+            await self.mailbox.send(_Sweep(reply=None))
             await trio.sleep(SWEEP_SECS)
 
     def _fresh(self, stored: StoredResponse) -> bool:

@@ -95,7 +95,7 @@ class SessionSupervisor(MessageLoop):
 
     async def _drain_when(self, event: trio.Event) -> None:
         await event.wait()
-        await self.mailbox.send(Drain(reason="the gateway is shutting down"))
+        await self.mailbox.send(Drain(reply=None, reason="the gateway is shutting down"))
 
     async def handle(self, message: Envelope) -> Reply | None:
         match message:
@@ -145,7 +145,7 @@ class SessionSupervisor(MessageLoop):
             ticket.reason = ticket.reason or "internal error in the session (see the gateway log)"
         finally:
             ticket.done.set()
-            tell(self.mailbox, _Ended(id=ticket.id))
+            tell(self.mailbox, _Ended(reply=None, id=ticket.id))
 
     @staticmethod
     def _row(live: _Live) -> dict[str, Any]:

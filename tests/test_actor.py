@@ -24,7 +24,7 @@ from supervisors.actor import (
 
 
 class Add(Envelope, frozen=True, tag="add"):
-    amount: int = 0
+    amount: int
 
 
 class Boom(Envelope, frozen=True, tag="boom"):
@@ -97,7 +97,7 @@ async def test_crash_answers_the_caller_then_restarts_with_fresh_state(nursery, 
 
 async def test_messages_queued_during_a_restart_are_served(nursery, autojump_clock):
     mailbox = await nursery.start(partial(supervise, Counter, policy=RestartPolicy(backoff_base_secs=1)))
-    assert tell(mailbox, Boom())
+    assert tell(mailbox, Boom(reply=None))
     assert await call(mailbox, lambda r: Add(reply=r, amount=4)) == 4
 
 
@@ -108,7 +108,7 @@ async def test_restart_budget_spent_gives_up(autojump_clock):
         async with trio.open_nursery() as nursery:
             mailbox = await nursery.start(partial(supervise, Counter, policy=policy))
             for _ in range(4):
-                tell(mailbox, Boom())
+                tell(mailbox, Boom(reply=None))
     # Backoff doubles: 0.5 + 1 + 2 seconds of waiting before the fourth crash.
     assert trio.current_time() - started == pytest.approx(3.5)
     assert Counter.incarnations == 4
@@ -118,7 +118,7 @@ async def test_crashes_outside_the_window_do_not_count(nursery, autojump_clock):
     policy = RestartPolicy(max_restarts=1, window_secs=10, backoff_base_secs=0.1)
     mailbox = await nursery.start(partial(supervise, Counter, policy=policy))
     for _ in range(3):
-        tell(mailbox, Boom())
+        tell(mailbox, Boom(reply=None))
         await trio.sleep(11)
     assert await call(mailbox, lambda r: Add(reply=r, amount=1)) == 1
     assert Counter.incarnations == 4
@@ -126,10 +126,10 @@ async def test_crashes_outside_the_window_do_not_count(nursery, autojump_clock):
 
 async def test_a_full_mailbox_refuses_tell_instead_of_blocking(nursery):
     mailbox = await nursery.start(partial(supervise, Counter, mailbox_size=1))
-    tell(mailbox, Hang())
+    tell(mailbox, Hang(reply=None))
     await trio.testing.wait_all_tasks_blocked()
-    assert tell(mailbox, Add(amount=1))
-    assert not tell(mailbox, Add(amount=1))
+    assert tell(mailbox, Add(reply=None, amount=1))
+    assert not tell(mailbox, Add(reply=None, amount=1))
 
 
 def test_mailboxes_must_be_bounded():

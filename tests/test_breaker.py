@@ -188,11 +188,13 @@ def peer(cooldown_secs: float = 10.0) -> RemotePeer:
 
 
 def submit(remote: RemotePeer, path: str = "/v1/chat/completions"):
-    return remote._submit(RemoteSubmit(call=UpstreamCall(path=path, body=b"{}"), model="m"))
+    return remote._submit(RemoteSubmit(reply=None, call=UpstreamCall(path=path, body=b"{}"), model="m", headers=(),
+                                        on_usage=None))
 
 
 def fail(remote: RemotePeer, breaker_probe: int | None = None) -> None:
-    remote._outcome(_Outcome(ok=False, error="attic did not accept a connection", breaker_probe=breaker_probe))
+    remote._outcome(_Outcome(reply=None, ok=False, error="attic did not accept a connection", probe=False,
+                             breaker_probe=breaker_probe))
 
 
 async def test_a_peer_breaker_opens_after_three_failures_in_a_row_and_a_late_failure_does_not_stretch_it(
@@ -200,7 +202,8 @@ async def test_a_peer_breaker_opens_after_three_failures_in_a_row_and_a_late_fai
     remote = peer()
     fail(remote)
     fail(remote)
-    remote._outcome(_Outcome(ok=True))  # an answer: the count starts over
+    # an answer: the count starts over
+    remote._outcome(_Outcome(reply=None, ok=True, error="", probe=False, breaker_probe=None))
     assert remote.failures == 0 and remote.describe()["breaker"] == "closed"
     for _ in range(3):
         fail(remote)
@@ -244,7 +247,7 @@ async def test_only_the_peer_probes_failure_doubles_the_cooldown_and_an_answer_c
     assert row["breaker"] == "open" and row["breaker_probe_in_secs"] == 20.0  # doubled
     await trio.sleep(20)
     ticket = remote.breaker.admit(trio.current_time()).ticket
-    remote._outcome(_Outcome(ok=True, breaker_probe=ticket))
+    remote._outcome(_Outcome(reply=None, ok=True, error="", probe=False, breaker_probe=ticket))
     row = remote.describe()
     assert row["breaker"] == "closed" and row["failures_in_a_row"] == 0 and "breaker_probe_in_secs" not in row
     assert remote.breaker.cool_down == 10.0  # starts over

@@ -38,9 +38,10 @@ def messages(reply) -> list:
     call = UpstreamCall(path="/v1/chat/completions", body=b"{}")
     return [
         Submit(reply=reply, ticket=900, call=call, due=0.0, expire_at=float("inf"), keep_alive=None, on_usage=None),
-        Withdraw(ticket=1), _Finished(ticket=2, clean=True), _Ready(), _SpawnFailed(reason="boom"),
-        _Exited(returncode=9), Stop(reply=reply, reason="test"), Stop(reply=reply, reason="test", if_idle=True),
-        Describe(reply=reply), _Timer(),
+        Withdraw(reply=None, ticket=1), _Finished(reply=None, ticket=2, clean=True), _Ready(reply=None),
+        _SpawnFailed(reply=None, reason="boom"), _Exited(reply=None, returncode=9),
+        Stop(reply=reply, reason="test", if_idle=False), Stop(reply=reply, reason="test", if_idle=True),
+        Describe(reply=reply), _Timer(reply=None),
     ]
 
 
@@ -86,7 +87,7 @@ async def test_every_message_in_every_state_lands_where_the_table_says(state, nu
 
 async def test_stop_while_loading_answers_queued_requests_at_once_and_stops(nursery):
     instance, (queued, _) = await instance_in(State.STARTING, nursery)
-    instance.handle(Stop(reason="unloaded on request"))
+    instance.handle(Stop(reply=None, reason="unloaded on request", if_idle=False))
     assert instance.state is State.STOPPING
     err = queued.receive_nowait()
     assert isinstance(err, Err) and err.status == 503 and err.code == "model_unloading"
@@ -95,7 +96,7 @@ async def test_stop_while_loading_answers_queued_requests_at_once_and_stops(nurs
 
 async def test_a_queued_request_waits_for_loading_then_runs_when_ready(nursery):
     instance, (_, served) = await instance_in(State.STARTING, nursery)
-    instance.handle(_Ready())
+    instance.handle(_Ready(reply=None))
     assert instance.state is State.BUSY
     await trio.testing.wait_all_tasks_blocked()
     assert served == [1]
@@ -103,7 +104,7 @@ async def test_a_queued_request_waits_for_loading_then_runs_when_ready(nursery):
 
 async def test_an_exit_while_busy_fails_queued_requests_with_the_engines_words(nursery):
     instance, (queued, _) = await instance_in(State.BUSY, nursery)
-    instance.handle(_Exited(returncode=9))
+    instance.handle(_Exited(reply=None, returncode=9))
     assert instance.state is State.FAILED
     err = queued.receive_nowait()
     assert err.status == 502 and "exited with code 9" in err.message
