@@ -291,3 +291,41 @@ async def test_a_gateway_killed_mid_render_leaves_a_job_that_says_so(images_home
                                  "fix": "submit it again"}
     finally:
         second.kill()
+
+
+async def test_the_openai_client_edits_an_image_and_makes_variations_of_it(nursery, images_home):
+    """Edits and variations through the real engine: the picture is sd-server's init image (and the mask its
+    inpainting mask); the answer has the input's size unless `size` says otherwise."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    gateway = await start_gateway(nursery, images_home)
+    with trio.fail_after(400):
+        async with gateway.client(timeout=300) as client:
+            source = await generate(client, size="64x64", steps=1, seed=11)
+            picture = base64.b64decode(source.json()["data"][0]["b64_json"])
+            sdk = AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", timeout=300, max_retries=0)
+
+            edited = await sdk.images.edit(model=MODEL, image=("in.png", picture, "image/png"), prompt="a red door",
+                                           mask=("mask.png", picture, "image/png"), extra_body={"steps": 2, "seed": 1})
+            assert edited.data is not None and png_size(base64.b64decode(edited.data[0].b64_json)) == (64, 64)
+
+            varied = await sdk.images.create_variation(model=MODEL, image=("in.png", picture, "image/png"), n=2,
+                                                       size="128x128", extra_body={"steps": 1, "seed": 2})
+            assert varied.data is not None and len(varied.data) == 2
+            assert {png_size(base64.b64decode(item.b64_json)) for item in varied.data} == {(128, 128)}
+            # The init image reaches the engine: another picture, same seed and prompt, renders other pixels.
+            other = await sdk.images.create_variation(model=MODEL, image=("in.png", base64.b64decode(
+                edited.data[0].b64_json), "image/png"), n=2, size="128x128", extra_body={"steps": 1, "seed": 2})
+            assert other.data is not None and other.data[0].b64_json != varied.data[0].b64_json
+
+            for call, field in ((sdk.images.create_variation(model=MODEL, image=("in.png", picture, "image/png"),
+                                                             extra_body={"mask": "x"}), "mask"),
+                                (sdk.images.create_variation(model=MODEL, image=("in.txt", b"hello", "text/plain")),
+                                 "image")):
+                with pytest.raises(BadRequestError) as refused:
+                    await call
+                assert refused.value.body["param"] == field, refused.value.body
+                assert field != "mask" or "/v1/images/edits" in refused.value.body["message"]
+
+            upscale = await client.post("/v1/images/upscale", json={"image": "x"})
+            assert upscale.status_code == 501 and "hires fix" in upscale.json()["error"]["message"]

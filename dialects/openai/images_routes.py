@@ -76,10 +76,12 @@ async def _render(services: Services, image: t.ImageRequest, who: Caller) -> dic
     steps = image.steps
     if image.quality is not None:  # scaled from the model's own default, asked of its live child
         capabilities = await _engine_json(services, image.model, UpstreamCall(
-            method="GET", path="/sdcpp/v1/capabilities", body=b""), who)
+            method="GET", path="/sdcpp/v1/capabilities", body=b"", stream=False, content_type="application/json"),
+            who)
         steps = t.scaled_steps(image.quality, _default_steps(capabilities))
     payload = await _engine_json(services, image.model, UpstreamCall(
-        path="/v1/images/generations", body=t.engine_body(image, steps)), who)
+        method="POST", path="/v1/images/generations", body=t.engine_body(image, steps), stream=False,
+        content_type="application/json"), who)
     images = [item for item in payload.get("data") or [] if isinstance(item, dict) and item.get("b64_json")]
     if len(images) != image.n:
         raise Refusal(502, f"sd-server returned {len(images)} image(s) for n={image.n}")
@@ -117,6 +119,51 @@ async def generations():
     except (RequestError, Refusal) as error:
         return refuse(error)
     return json_response(answer, headers=headers)
+
+
+async def _edit_like(*, variation: bool) -> Response:
+    services = current_services()
+    try:
+        form = await request.form
+        uploads = await request.files
+        fields = {name: form.getlist(name) for name in form}
+        files = {name: [part.read() for part in uploads.getlist(name)] for name in uploads}
+        if not files:
+            raise RequestError("send multipart/form-data with the picture in an `image` file part", param="image")
+        installed = await trio.to_thread.run_sync(sdcpp.installed, services.paths)
+        image, stream = t.check_edit(fields, files, installed=installed, variation=variation)
+        who = caller()
+        if stream:
+            return await _streamed(services, image, who)
+        answer = await _render(services, image, who)
+        headers = await _fixture_note(services, image.model)
+    except (RequestError, Refusal) as error:
+        return refuse(error)
+    return json_response(answer, headers=headers)
+
+
+@blueprint.post("/v1/images/edits")
+@role(Role.KEY)
+async def edits():
+    """An image redrawn from a prompt (multipart: `image`, optional `mask` for the region to repaint, `prompt`):
+    the image is sd-server's init image (`strength`: how much is redrawn), the mask its inpainting mask."""
+    return await _edit_like(variation=False)
+
+
+@blueprint.post("/v1/images/variations")
+@role(Role.KEY)
+async def variations():
+    """Variations of one image (multipart `image`; `prompt` optional): img2img with a random seed unless `seed`."""
+    return await _edit_like(variation=True)
+
+
+@blueprint.post("/v1/images/upscale")
+@role(Role.KEY)
+async def upscale():
+    return refuse(Refusal(501, "a standalone upscale needs sd-server's /sdcpp/v1/upscale, which the engine built here "
+                          "(stable-diffusion.cpp master-596) does not have; its ESRGAN models run only as the hires "
+                          "fix of a generation", fix="render at the size you want with POST /v1/images/generations "
+                          "(size up to 2048x2048)"))
 
 
 # ----- async: a job of kind "image"
@@ -254,7 +301,8 @@ async def capabilities():
         data = []
         for model in [wanted] if wanted is not None else live:
             card = await _engine_json(services, model, UpstreamCall(method="GET", path="/sdcpp/v1/capabilities",
-                                                                    body=b""), who)
+                                                                    body=b"", stream=False,
+                                                                    content_type="application/json"), who)
             data.append({"model": model, **{k: v for k, v in card.items() if k != "model"}})
     except Refusal as error:
         return refuse(error)

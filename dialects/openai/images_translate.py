@@ -14,6 +14,7 @@ Fields OpenAI defines that a local diffusion model cannot honour are refused wit
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import re
@@ -73,7 +74,7 @@ def _text(body: dict[str, Any], name: str) -> str | None:
     return value
 
 
-def check_generation(body: dict[str, Any], *, installed: list[str]) -> ImageRequest:
+def check_generation(body: dict[str, Any], *, installed: list[str], prompt_optional: bool = False) -> ImageRequest:
     """Raises RequestError (a teaching 400 naming the field) for what cannot be served as sent."""
     unknown = sorted(set(body) - KNOWN)
     if unknown:
@@ -88,7 +89,9 @@ def check_generation(body: dict[str, Any], *, installed: list[str]) -> ImageRequ
         menu = ", ".join(installed) or "none installed (./scripts/fixtures installs sd-noise)"
         raise RequestError(f"`model` must name a diffusion model; installed: {menu}", param="model")
     prompt = body.get("prompt")
-    if not isinstance(prompt, str) or not prompt.strip():
+    if prompt_optional and (prompt is None or prompt == ""):
+        prompt = " "  # neutral conditioning (sd-server refuses an empty prompt)
+    if not isinstance(prompt, str) or not (prompt.strip() or prompt_optional):
         raise RequestError("`prompt` must be a non-empty string", param="prompt")
     if "<sd_cpp_extra_args>" in prompt:
         raise RequestError("`prompt` may not carry sd-server's <sd_cpp_extra_args> block; send seed, steps, "
@@ -188,3 +191,123 @@ def engine_body(request: ImageRequest, steps: int | None) -> bytes:
     if request.output_compression is not None:
         body["output_compression"] = request.output_compression
     return msgspec.json.encode(body)
+
+
+# ----- edits and variations (multipart): one input image as sd-server's init image
+
+INPUT_FORMATS = {b"\x89PNG": "png", b"\xff\xd8\xff": "jpeg", b"RIFF": "webp"}
+MAX_INPUT_BYTES = 20 * 1024 * 1024
+EDIT_FIELDS = {"model", "prompt", "n", "size", "steps", "quality", "seed", "negative_prompt", "cfg_scale", "sampler",
+               "scheduler", "clip_skip", "strength", "response_format", "output_format", "output_compression", "user",
+               "stream", "async", *REFUSED}
+VARIATION_FIELDS = EDIT_FIELDS - {"quality"}
+NUMBERS = {"n": int, "steps": int, "seed": int, "clip_skip": int, "output_compression": int, "cfg_scale": float,
+           "strength": float}
+
+
+def image_size(data: bytes) -> tuple[str, int, int]:
+    """(format, width, height) of a PNG, JPEG or WebP from its header; RequestError for anything else."""
+    kind = next((name for magic, name in INPUT_FORMATS.items() if data.startswith(magic)), None)
+    try:
+        if kind == "png" and data[12:16] == b"IHDR":
+            width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+            return kind, width, height
+        if kind == "jpeg":
+            at = 2
+            while at + 9 < len(data):
+                if data[at] != 0xFF:
+                    break
+                marker, length = data[at + 1], int.from_bytes(data[at + 2:at + 4], "big")
+                if marker in (0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF):
+                    return kind, int.from_bytes(data[at + 7:at + 9], "big"), int.from_bytes(data[at + 5:at + 7], "big")
+                at += 2 + length
+        if kind == "webp" and data[8:12] == b"WEBP":
+            chunk = data[12:16]
+            if chunk == b"VP8X":
+                return kind, 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
+            if chunk == b"VP8 ":
+                width, height = int.from_bytes(data[26:28], "little"), int.from_bytes(data[28:30], "little")
+                return kind, width & 0x3FFF, height & 0x3FFF
+            if chunk == b"VP8L":
+                bits = int.from_bytes(data[21:25], "little")
+                return kind, (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+    except IndexError:
+        pass
+    raise RequestError("`image` must be a PNG, JPEG or WebP file (its header was not one)", param="image")
+
+
+def _coerced(fields: dict[str, list[str]], allowed: set[str], route: str) -> dict[str, Any]:
+    """A multipart form's text fields as the JSON body generations checks: one value each, numbers parsed."""
+    unknown = sorted(set(fields) - allowed)
+    if unknown:
+        raise RequestError(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} for {route}; "
+                           f"accepted: image, {', '.join(sorted(allowed - set(REFUSED)))}", param=unknown[0])
+    body: dict[str, Any] = {}
+    for name, values in fields.items():
+        if len(values) != 1:
+            raise RequestError(f"`{name}` was sent {len(values)} times; send it once", param=name)
+        value = values[0]
+        if name in NUMBERS:
+            try:
+                body[name] = NUMBERS[name](value)
+            except ValueError:
+                kind = "a whole number" if NUMBERS[name] is int else "a number"
+                raise RequestError(f"`{name}` must be {kind}, got {value!r}", param=name) from None
+        elif name == "stream":
+            if value not in ("true", "false"):
+                raise RequestError(f"`stream` must be true or false, got {value!r}", param="stream")
+            body[name] = value == "true"
+        else:
+            body[name] = value  # a prompt of digits stays a string
+    return body
+
+
+def check_edit(fields: dict[str, list[str]], files: dict[str, list[bytes]], *, installed: list[str],
+               variation: bool) -> tuple[ImageRequest, bool]:
+    """An edit (prompt + image + optional mask) or a variation (image, prompt optional) as an ImageRequest with
+    sd-server's init image (and mask); returns it with the stream flag. The output has the input's size unless
+    `size` says otherwise (sd-server scales the init image to the size it renders)."""
+    route = "/v1/images/variations" if variation else "/v1/images/edits"
+    images = files.get("image", []) + files.get("image[]", [])
+    masks = files.get("mask", [])
+    others = sorted(set(files) - {"image", "image[]", "mask"})
+    if others:
+        raise RequestError(f"file part{'s' if len(others) > 1 else ''} {', '.join(others)} cannot be used by {route}; "
+                           "send the picture as `image`", param=others[0])
+    if variation and (masks or "mask" in fields):
+        raise RequestError("a variation takes no `mask`: to repaint a region, send the image, the mask and a prompt "
+                           "to /v1/images/edits", param="mask")
+    if len(images) != 1:
+        raise RequestError(f"{route} takes exactly one `image` file here (the model family installed uses one input "
+                           f"image), got {len(images)}", param="image")
+    if len(masks) > 1:
+        raise RequestError("send one `mask` file", param="mask")
+    allowed = VARIATION_FIELDS if variation else EDIT_FIELDS
+    body = _coerced(fields, allowed, route)
+    stream = bool(body.pop("stream", False))
+    if body.pop("async", None) is not None:
+        raise RequestError(f"`async` is not built for {route} yet (its upload would have to be kept for the job); "
+                           "send it without async (it is answered when done) or with stream=true", param="async")
+    data = images[0]
+    if len(data) > MAX_INPUT_BYTES:
+        raise RequestError(f"`image` is {len(data):,} bytes; at most {MAX_INPUT_BYTES:,}", param="image")
+    _, width, height = image_size(data)
+    strength = body.pop("strength", None)
+    if strength is not None and not 0 < strength <= 1:
+        raise RequestError(f"`strength` must be above 0 and at most 1 (how much of the image is redrawn), got "
+                           f"{strength!r}", param="strength")
+    if "size" not in body:
+        if width % 64 or height % 64 or not 64 <= width <= MAX_SIDE or not 64 <= height <= MAX_SIDE:
+            near = f"{max(64, min(MAX_SIDE, width // 64 * 64))}x{max(64, min(MAX_SIDE, height // 64 * 64))}"
+            raise RequestError(f"the image is {width}x{height}, and diffusion models here render sides that are "
+                               f"multiples of 64 from 64 to {MAX_SIDE}: send `size` (e.g. \"{near}\") and the image is "
+                               "scaled to it", param="size")
+        body["size"] = f"{width}x{height}"
+    request = check_generation(body, installed=installed, prompt_optional=variation)
+    native = {**request.native, "init_image": base64.b64encode(data).decode()}
+    if strength is not None:
+        native["strength"] = strength
+    if masks:
+        image_size(masks[0])  # a picture too
+        native["mask_image"] = base64.b64encode(masks[0]).decode()
+    return msgspec.structs.replace(request, native=native), stream
