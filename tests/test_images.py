@@ -329,3 +329,22 @@ async def test_the_openai_client_edits_an_image_and_makes_variations_of_it(nurse
 
             upscale = await client.post("/v1/images/upscale", json={"image": "x"})
             assert upscale.status_code == 501 and "hires fix" in upscale.json()["error"]["message"]
+
+
+async def test_blazar_run_renders_a_png_and_says_where(images_home: Paths, tmp_path):
+    from tests.conftest import ServeProcess, arun_cli
+
+    server = ServeProcess(images_home, tmp_path / "serve.log", "--bind", "127.0.0.1:0")
+    try:
+        with trio.fail_after(240):
+            await server.start()
+            target = tmp_path / "lighthouse.png"
+            made = await arun_cli("run", "--size", "64x64", "--steps", "1", "-o", str(target), MODEL,
+                                  "a lighthouse", seconds=200)
+            assert made.returncode == 0, made.stderr
+            assert made.stdout.startswith(f"wrote {target} (64x64, ") and "random weights" in made.stderr
+            assert png_size(target.read_bytes()) == (64, 64)
+            refused = await arun_cli("run", "--size", "64x64", "smollm2", "hi")
+            assert refused.returncode == 1 and "--size applies to image models only" in refused.stderr
+    finally:
+        server.kill()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import asyncclick as click
@@ -115,13 +116,25 @@ async def _chat(client: httpx.AsyncClient, url: str, model: str, messages: list[
 @click.option("-v", "--verbose", is_flag=True, help="Print timings and eval counts after each answer.")
 @click.option("--max-tokens", type=int, help="Cap the answer length (one-shot only).")
 @click.option("--system", help="A system prompt for the conversation.")
+@click.option("--size", help="Image models: WIDTHxHEIGHT (default: the model's own, 512x512 for SD1.x).")
+@click.option("--steps", type=int, help="Image models: sampling steps (default: the model's own).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="Image models: where to write the PNG (default: ./MODEL-TIME.png).")
 async def run(model: str | None, prompt: tuple[str, ...], verbose: bool, max_tokens: int | None,
-              system: str | None) -> None:
-    """Chat with MODEL (default smollm2:135m): one-shot with PROMPT, else a REPL. Flags go before the prompt."""
+              system: str | None, size: str | None, steps: int | None, output: Path | None) -> None:
+    """Chat with MODEL (default smollm2:135m): one-shot with PROMPT, else a REPL; with an image model, render
+    PROMPT into a PNG and say where it is. Flags go before the prompt."""
     paths = Paths.from_env().ensure()
     if model and not _looks_like_model(model):
         prompt = (model, *prompt)  # `blazar run "a question"`: the embedded default answers it
         model = None
+    if model and await _is_image_model(paths, model):
+        await _render_image(paths, model, " ".join(prompt).strip(), size, steps, output)
+        return
+    for name, value in (("--size", size), ("--steps", steps), ("--output", output)):
+        if value is not None:
+            fail(f"{name} applies to image models only, and {model or DEFAULT_MODEL} is a chat model",
+                 fix=f"drop {name}, or name an image model (GET /v1/models lists them with capability image)")
     model = await _installed_or_pull(model or DEFAULT_MODEL)
     one_shot = " ".join(prompt).strip()
     if not one_shot and not sys.stdin.isatty():
@@ -174,6 +187,45 @@ async def run(model: str | None, prompt: tuple[str, ...], verbose: bool, max_tok
             messages.append({"role": "user", "content": line})
             answer = await _chat(client, url, model, messages, None, verbose)
             messages.append({"role": "assistant", "content": answer})
+
+
+async def _is_image_model(paths: Paths, model: str) -> bool:
+    from lanes import lane_owning
+
+    def listed() -> bool:
+        rows = lane_owning(paths, model).list_models(paths)
+        return any(row["id"] == model and "image" in row.get("capabilities", ()) for row in rows)
+
+    return await trio.to_thread.run_sync(listed)
+
+
+async def _render_image(paths: Paths, model: str, prompt: str, size: str | None, steps: int | None,
+                        output: Path | None) -> None:
+    """One image through the daemon's POST /v1/images/generations, written as a PNG."""
+    import base64
+
+    if not prompt:
+        fail("an image needs a prompt", fix=f'blazar run {model} "a lighthouse at dusk"')
+    url = await ensure_daemon(paths)
+    body: dict = {"model": model, "prompt": prompt}
+    if size:
+        body["size"] = size
+    if steps is not None:
+        body["steps"] = steps
+    started = time.perf_counter()
+    async with daemon_client(paths, timeout=httpx.Timeout(None, connect=10)) as client:
+        reply = await client.post(f"{url}/v1/images/generations", json=body)
+    if reply.status_code != 200:
+        error = reply.json().get("error") or {}
+        fail(f"{model} did not render: {error.get('message') or reply.text}")
+    answer = reply.json()
+    target = output or Path(f"{model.replace(':', '-').replace('/', '-')}-{time.strftime('%Y%m%d-%H%M%S')}.png")
+    data = base64.b64decode(answer["data"][0]["b64_json"])
+    await trio.Path(target).write_bytes(data)
+    say(f"wrote {target} ({answer.get('size', '')}, {time.perf_counter() - started:.1f}s)")
+    fixture = reply.headers.get("x-blazar-fixture")
+    if fixture:
+        note(f"{model} is a test fixture: {fixture}")
 
 
 def _print_remotes(remotes: list[dict]) -> None:
