@@ -156,8 +156,9 @@ async def run_chat(services: Services, body: dict[str, Any], who: Caller, *, kee
     stream = body.get("stream") is True
     if plan is not None:
         rewritten = enforce_tools(body, plan)
-        reply = buffered(await forward(services, model, UpstreamCall(path="/v1/chat/completions",
-                                                                     body=msgspec.json.encode(rewritten)), who,
+        reply = buffered(await forward(services, model, UpstreamCall(method="POST", path="/v1/chat/completions",
+                                                                     body=msgspec.json.encode(rewritten), stream=False,
+                                                                     content_type="application/json"), who,
                                        keep_alive=keep_alive, num_ctx=num_ctx, spawn_options=spawn_options))
         if reply.status >= 400:
             raise engine_failure(reply)
@@ -168,8 +169,9 @@ async def run_chat(services: Services, body: dict[str, Any], who: Caller, *, kee
         return ChatResult(payload=payload, headers=result_headers, queued_secs=reply.queued_secs)
     if stream and not raw_stream:
         body = {**body, "stream_options": {"include_usage": True, **(body.get("stream_options") or {})}}
-    result = await forward(services, model, UpstreamCall(path="/v1/chat/completions", body=msgspec.json.encode(body),
-                                                        stream=stream), who, keep_alive=keep_alive,
+    result = await forward(services, model, UpstreamCall(method="POST", path="/v1/chat/completions",
+                                                        body=msgspec.json.encode(body), stream=stream,
+                                                        content_type="application/json"), who, keep_alive=keep_alive,
                            num_ctx=num_ctx, spawn_options=spawn_options, choices=choices)
     return completion_result(result, strip=strip, raw_stream=raw_stream)
 

@@ -81,11 +81,11 @@ class State(enum.StrEnum):
 
 
 class UpstreamCall(msgspec.Struct, frozen=True, kw_only=True):
-    method: str = "POST"
+    method: str
     path: str
-    body: bytes = b""
-    stream: bool = False
-    content_type: str = "application/json"
+    body: bytes  # b"" for none
+    stream: bool
+    content_type: str  # of the body
 
 
 class UpstreamReply(msgspec.Struct, frozen=True, kw_only=True):

@@ -370,7 +370,7 @@ async def count_input_tokens(services: Services, model: str, chat: dict[str, Any
     if target.kind == "remote":  # counted on the peer's own child (a Blazar peer serves the native routes)
         async def ask_peer(method: str, path: str, body: bytes) -> tuple[int, bytes]:
             reply = buffered(await _forward_remote(services, target.peer, target.name, UpstreamCall(
-                method=method, path=path, body=body), who, on_usage))
+                method=method, path=path, body=body, stream=False, content_type="application/json"), who, on_usage))
             return reply.status, reply.body
 
         assert services.lane is not None  # the composition root always starts the text lane
@@ -382,7 +382,8 @@ async def count_input_tokens(services: Services, model: str, chat: dict[str, Any
     handle = await ensure_model(services, model, who, fresh=True)
 
     async def ask(method: str, path: str, body: bytes) -> tuple[int, bytes]:
-        reply = buffered(await submit(services, handle, UpstreamCall(method=method, path=path, body=body), who,
+        reply = buffered(await submit(services, handle, UpstreamCall(method=method, path=path, body=body, stream=False,
+                                                                     content_type="application/json"), who,
                                       on_usage=on_usage))
         return reply.status, reply.body
 

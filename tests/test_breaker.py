@@ -188,8 +188,8 @@ def peer(cooldown_secs: float = 10.0) -> RemotePeer:
 
 
 def submit(remote: RemotePeer, path: str = "/v1/chat/completions"):
-    return remote._submit(RemoteSubmit(reply=None, call=UpstreamCall(path=path, body=b"{}"), model="m", headers=(),
-                                        on_usage=None))
+    call = UpstreamCall(method="POST", path=path, body=b"{}", stream=False, content_type="application/json")
+    return remote._submit(RemoteSubmit(reply=None, call=call, model="m", headers=(), on_usage=None))
 
 
 def fail(remote: RemotePeer, breaker_probe: int | None = None) -> None:

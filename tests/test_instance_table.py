@@ -35,7 +35,8 @@ PLAN = SpawnPlan(model="m:1", model_path=Path("/nonexistent.gguf"), binary=Path(
 
 
 def messages(reply) -> list:
-    call = UpstreamCall(path="/v1/chat/completions", body=b"{}")
+    call = UpstreamCall(method="POST", path="/v1/chat/completions", body=b"{}", stream=False,
+                        content_type="application/json")
     return [
         Submit(reply=reply, ticket=900, call=call, due=0.0, expire_at=float("inf"), keep_alive=None, on_usage=None),
         Withdraw(reply=None, ticket=1), _Finished(reply=None, ticket=2, clean=True), _Ready(reply=None),
@@ -63,7 +64,8 @@ async def instance_in(state: State, nursery: trio.Nursery) -> tuple[Instance, li
     instance.in_flight = 1 if state is not State.STARTING else 0
     queued_send, queued_recv = trio.open_memory_channel(1)
     if state in (State.STARTING, State.BUSY):  # BUSY with its one slot taken: the request waits
-        instance.handle(Submit(reply=queued_send, ticket=1, call=UpstreamCall(path="/health", method="GET"),
+        health = UpstreamCall(method="GET", path="/health", body=b"", stream=False, content_type="application/json")
+        instance.handle(Submit(reply=queued_send, ticket=1, call=health,
                                due=0.0, expire_at=float("inf"), keep_alive=None, on_usage=None))
     instance.state = state  # placing the queued request must not move the instance out of the state under test
     return instance, [queued_recv, served]

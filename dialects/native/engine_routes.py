@@ -57,7 +57,8 @@ async def _native(path: str, method: str = "POST", *, stream_ok: bool = False):
             except (msgspec.DecodeError, AttributeError):
                 raise Refusal(400, "the request body must be a JSON object") from None
         result = await forward(current_services(), model,
-                               UpstreamCall(method=method, path=path, body=raw, stream=stream), caller())
+                               UpstreamCall(method=method, path=path, body=raw, stream=stream,
+                                            content_type="application/json"), caller())
         if isinstance(result, UpstreamReply):
             return json_reply(result)
         return sse_response(result, ChatStreamRewriter(strip_think=False).feed, openai_error_frame)

@@ -53,7 +53,8 @@ async def warm():
             return json_response({"status": "ok"})
         started = time.perf_counter()
         handle = await ensure_model(services, model, who, fresh=True)
-        reply = await submit(services, handle, UpstreamCall(method="GET", path=handle.lane.health_path), who)
+        reply = await submit(services, handle, UpstreamCall(method="GET", path=handle.lane.health_path, body=b"",
+                                                            stream=False, content_type="application/json"), who)
         if reply.status >= 400:
             raise Refusal(502, f"{handle.key} loaded but its engine's health check answered {reply.status}")
         load_ms = round((time.perf_counter() - started) * 1000, 1)

@@ -327,7 +327,8 @@ async def _raw_completion(services: Services, canonical: dict[str, Any], prompt:
     skip = {"messages", "tools", "think", "chat_template_kwargs", "reasoning_effort"}
     body = {k: v for k, v in canonical.items() if k not in skip} | {"prompt": prompt}
     result = await forward(services, canonical["model"], UpstreamCall(
-        path="/v1/completions", body=msgspec.json.encode(body), stream=body.get("stream") is True),
+        method="POST", path="/v1/completions", body=msgspec.json.encode(body), stream=body.get("stream") is True,
+        content_type="application/json"),
         caller(), keep_alive=keep_alive, num_ctx=num_ctx, spawn_options=spawn)
     return completion_result(result, strip=False)
 
@@ -426,7 +427,8 @@ async def _load_or_unload(body: dict[str, Any], model: str, options: t.OptionsRe
             who = caller()
             await admit_request(services, model, "tokens", who)  # the key's scope and rate, as for any generation
             handle = await ensure_model(services, model, who, options.num_ctx, options.spawn, fresh=True)
-            await submit(services, handle, UpstreamCall(method="GET", path=handle.lane.health_path), who,
+            await submit(services, handle, UpstreamCall(method="GET", path=handle.lane.health_path, body=b"",
+                                                        stream=False, content_type="application/json"), who,
                          keep_alive=keep_alive)
         except (RequestError, Refusal) as error:
             return refuse(error)
@@ -460,8 +462,9 @@ async def _embed(legacy: bool):
             field = "prompt" if legacy else "input"
             raise RequestError(f"`{field}` must be a string" + ("" if legacy else " or an array of strings"))
         options, unused = _read_request("embeddings" if legacy else "embed", body)
-        reply = buffered(await forward(services, model, UpstreamCall(path="/v1/embeddings", body=msgspec.json.encode(
-            {"model": model, "input": inputs})), caller(), keep_alive=_keep_alive(body),
+        reply = buffered(await forward(services, model, UpstreamCall(
+            method="POST", path="/v1/embeddings", body=msgspec.json.encode({"model": model, "input": inputs}),
+            stream=False, content_type="application/json"), caller(), keep_alive=_keep_alive(body),
             num_ctx=options.num_ctx, spawn_options=options.spawn))
     except (RequestError, Refusal) as error:
         return refuse(error)
@@ -495,7 +498,8 @@ async def rerank():
         body = await json_body()
         model = t.require_model(body)
         reply = buffered(await forward(current_services(), model, UpstreamCall(
-            path="/v1/rerank", body=msgspec.json.encode(body)), caller()))
+            method="POST", path="/v1/rerank", body=msgspec.json.encode(body), stream=False,
+            content_type="application/json"), caller()))
     except (RequestError, Refusal) as error:
         return refuse(error)
     return Response(reply.body, status=reply.status if reply.status < 500 else 502, content_type="application/json")

@@ -57,7 +57,8 @@ async def _transcribe_once(services: Services, model: str, audio: bytes, options
                            who: Caller) -> dict[str, Any]:
     path = "/transcribe?options=" + urllib.parse.quote(json.dumps(options))
     reply = await forward(services, f"whisper:{model}", UpstreamCall(
-        path=path, body=audio, content_type="application/octet-stream"), who, lane_kind="whisper")
+        method="POST", path=path, body=audio, stream=False, content_type="application/octet-stream"), who,
+        lane_kind="whisper")
     assert isinstance(reply, UpstreamReply)
     if reply.status >= 400:
         status = 400 if reply.status < 500 else 502
@@ -349,7 +350,8 @@ async def speech():
             transcode.ffmpeg_binary(fmt)  # refused before anything loads when ffmpeg is missing
         raw = fmt != "wav"  # everything but a WAV starts as the voice's raw PCM, sentence by sentence
         result = await forward(services, voice, UpstreamCall(
-            path="/synthesize", body=msgspec.json.encode({**speech_request["options"], "raw": raw}), stream=raw),
+            method="POST", path="/synthesize", body=msgspec.json.encode({**speech_request["options"], "raw": raw}),
+            stream=raw, content_type="application/json"),
             who, lane_kind="piper")
         if isinstance(result, UpstreamReply) and result.status >= 400:
             raise Refusal(400 if result.status < 500 else 502, f"piper refused: {result.engine_message}")
@@ -398,7 +400,7 @@ async def _remote_speech_to_text(services: Services, task: str, transcription: t
                            files={"file": (filename, audio)})
     body = await trio.to_thread.run_sync(upload.read)  # the multipart copy of an upload of up to 50 MiB
     result = buffered(await forward(services, transcription.model, UpstreamCall(
-        path=path, body=body, content_type=upload.headers["content-type"]), caller()))
+        method="POST", path=path, body=body, stream=False, content_type=upload.headers["content-type"]), caller()))
     if result.status >= 400:
         raise engine_failure(result)
     return Response(result.body, status=result.status, content_type=result.content_type)
@@ -407,7 +409,8 @@ async def _remote_speech_to_text(services: Services, task: str, transcription: t
 async def _remote_speech(services: Services, body: dict[str, Any]) -> Response:
     """`peer:voice`: the request goes to the peer's /v1/audio/speech as it came (the voice renamed), and its
     audio comes back as the peer sends it, byte for byte."""
-    upstream = UpstreamCall(path="/v1/audio/speech", body=msgspec.json.encode(body), stream=True)
+    upstream = UpstreamCall(method="POST", path="/v1/audio/speech", body=msgspec.json.encode(body), stream=True,
+                            content_type="application/json")
     result = await forward(services, body["model"], upstream, caller())
     if isinstance(result, UpstreamReply):
         raise engine_failure(result)

@@ -232,7 +232,8 @@ async def _openai_item(services: Services, endpoint: str, item: dict[str, Any], 
     if endpoint == "/v1/responses":
         check_response_request({**body, "background": False})
         return await answer(services, body, new_id("resp"), who)
-    reply = await forward(services, model, UpstreamCall(path=endpoint, body=msgspec.json.encode(body)), who)
+    reply = await forward(services, model, UpstreamCall(method="POST", path=endpoint, body=msgspec.json.encode(body),
+                                                        stream=False, content_type="application/json"), who)
     return completion_result(reply, strip=False).payload or {}
 
 

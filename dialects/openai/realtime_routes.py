@@ -75,7 +75,8 @@ class GatewayPipeline:
         rate = await trio.to_thread.run_sync(_voice_rate, self.services, voice)
         async with self._turn() as who:
             result = await forward(self.services, voice, UpstreamCall(
-                path="/synthesize", body=msgspec.json.encode({"text": text, "raw": True}), stream=True), who,
+                method="POST", path="/synthesize", body=msgspec.json.encode({"text": text, "raw": True}), stream=True,
+                content_type="application/json"), who,
                 lane_kind="piper")
             if isinstance(result, UpstreamReply):
                 raise Refusal(502, f"piper refused: {result.engine_message}")

@@ -111,8 +111,9 @@ async def _passthrough(path: str):
     try:
         body = await json_body()
         model = require_model(body)
-        result = await forward(current_services(), model, UpstreamCall(path=path, body=msgspec.json.encode(body)),
-                               caller())
+        result = await forward(current_services(), model, UpstreamCall(
+            method="POST", path=path, body=msgspec.json.encode(body), stream=False, content_type="application/json"),
+            caller())
         return json_reply(buffered(result))
     except (RequestError, Refusal) as error:
         return refuse(error)
@@ -132,7 +133,8 @@ async def completions():
 
         async def ask() -> ChatResult:
             return completion_result(await forward(services, model, UpstreamCall(
-                path="/v1/completions", body=msgspec.json.encode(body), stream=stream), caller(),
+                method="POST", path="/v1/completions", body=msgspec.json.encode(body), stream=stream,
+                content_type="application/json"), caller(),
                 choices=choices), strip=False, raw_stream=True)
 
         result = await session.run(ask)
