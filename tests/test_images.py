@@ -348,3 +348,37 @@ async def test_blazar_run_renders_a_png_and_says_where(images_home: Paths, tmp_p
             assert refused.returncode == 1 and "--size applies to image models only" in refused.stderr
     finally:
         server.kill()
+
+
+async def test_image_work_is_admitted_like_any_request_of_the_key(nursery, images_home: Paths):
+    """A key scoped to a chat model gets a teaching 403 for the diffusion model (sync, async and edits alike),
+    before anything loads; a key scoped to the diffusion model is served and sees only its own image jobs."""
+    from blazar.config import ConfigFile
+    from tests.test_tenants import OWNER, TENANT, auth, issued
+
+    chat_only = "plm_" + "ab" * 16
+    images_home.config.write_text(
+        f'[[keys]]\nname = "owner"\nsecret = "{issued(OWNER)}"\n\n'
+        f'[[keys]]\nname = "painter"\nsecret = "{issued(TENANT)}"\nmodels = ["{MODEL}"]\n\n'
+        f'[[keys]]\nname = "chatter"\nsecret = "{issued(chat_only)}"\nmodels = ["smollm2:135m"]\n')
+    gateway = await start_gateway(nursery, images_home, keys=ConfigFile(images_home.config).load({}).keys)
+    with trio.fail_after(200):
+        async with gateway.client(timeout=150) as client:
+            for body in ({}, {"async": True}):
+                refused = await client.post("/v1/images/generations", headers=auth(chat_only), json={
+                    "model": MODEL, "prompt": "a lighthouse", "size": "64x64", "steps": 1, **body})
+                assert refused.status_code == 403, refused.text
+                assert MODEL in refused.json()["error"]["message"]
+            assert not (await client.get("/api/ps", headers=auth(OWNER))).json()["models"]  # nothing was loaded
+
+            queued = await client.post("/v1/images/generations", headers=auth(TENANT), json={
+                "model": MODEL, "prompt": "a lighthouse", "size": "64x64", "steps": 1, "async": True})
+            assert queued.status_code == 202, queued.text
+            job = queued.json()["id"]
+            hidden = await client.get(f"/v1/images/jobs/{job}", headers=auth(chat_only))
+            assert hidden.status_code == 404  # another key's job does not exist for it
+            async def status() -> str:
+                return (await client.get(f"/v1/images/jobs/{job}", headers=auth(TENANT))).json()["status"]
+
+            while await status() != "completed":  # noqa: ASYNC110 - polling the job as its owner would
+                await trio.sleep(0.1)
