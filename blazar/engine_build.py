@@ -96,16 +96,23 @@ def fetch_source(cache: Path, version: str | None, progress: Progress) -> tuple[
     if (tree / "llama.cpp" / "CMakeLists.txt").exists():
         progress("source", 100, f"using cached source {tree}")
         return tree / "llama.cpp", short
+    unpack_sdist(cache, SOURCE_PACKAGE, version, tree, progress)
+    return tree / "llama.cpp", short
+
+
+def unpack_sdist(cache: Path, package: str, version: str, tree: Path, progress: Progress) -> None:
+    """Download `package==version`'s source distribution with pip into the cache and unpack it as `tree`
+    (atomically: a half-unpacked tree is never left where a later build would take it for a cached one)."""
     download = cache / ".sdist"
     download.mkdir(parents=True, exist_ok=True)
-    progress("source", None, f"downloading {SOURCE_PACKAGE}=={version} (source distribution)")
-    result = subprocess.run([*pip_command(), "download", "--no-deps", "--no-binary", SOURCE_PACKAGE,
-                             "--disable-pip-version-check", "-d", str(download), f"{SOURCE_PACKAGE}=={version}"],
+    progress("source", None, f"downloading {package}=={version} (source distribution)")
+    result = subprocess.run([*pip_command(), "download", "--no-deps", "--no-binary", package,
+                             "--disable-pip-version-check", "-d", str(download), f"{package}=={version}"],
                             capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
-        raise BuildFailed("source", f"pip download of {SOURCE_PACKAGE}=={version} failed",
+        raise BuildFailed("source", f"pip download of {package}=={version} failed",
                           _tail(result.stdout + result.stderr), None)
-    archives = sorted(download.glob(f"{SOURCE_PACKAGE.replace('-', '_')}-{version}*.tar.gz"))
+    archives = sorted(download.glob(f"{package.replace('-', '_')}-{version}*.tar.gz"))
     if not archives:
         raise BuildFailed("source", "pip reported success but left no source archive", _tail(result.stdout), None)
     staging = Path(tempfile.mkdtemp(dir=download))
@@ -116,7 +123,6 @@ def fetch_source(cache: Path, version: str | None, progress: Progress) -> tuple[
     os.replace(extracted, tree)
     shutil.rmtree(staging, ignore_errors=True)
     progress("source", 100, f"source ready at {tree}")
-    return tree / "llama.cpp", short
 
 
 def active_is_stale(paths: Paths) -> bool:

@@ -16,13 +16,19 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tarfile
-import tempfile
 import time
 from pathlib import Path
 
-from blazar.engine_build import NO_AMX, BuildFailed, Progress, _compiler_takes, _run_logged, _tail, build_cache
-from blazar.engine_build import pip_command as _pip
+from blazar.engine_build import (
+    NO_AMX,
+    BuildFailed,
+    Progress,
+    _compiler_takes,
+    _run_logged,
+    _tail,
+    build_cache,
+    unpack_sdist,
+)
 from blazar.engines import EngineEntry, EngineError, Roster, sha256_file
 from blazar.paths import Paths
 
@@ -45,26 +51,7 @@ def fetch_source(cache: Path, progress: Progress) -> Path:
     if (source / "CMakeLists.txt").exists():
         progress("source", 100, f"using cached source {source}")
         return source
-    download = cache / ".sdist"
-    download.mkdir(parents=True, exist_ok=True)
-    progress("source", None, f"downloading {SOURCE_PACKAGE}=={SOURCE_VERSION} (source distribution)")
-    result = subprocess.run([*_pip(), "download", "--no-deps", "--no-binary", SOURCE_PACKAGE,
-                             "--disable-pip-version-check", "-d", str(download), f"{SOURCE_PACKAGE}=={SOURCE_VERSION}"],
-                            capture_output=True, text=True, timeout=1800)
-    if result.returncode != 0:
-        raise BuildFailed("source", f"pip download of {SOURCE_PACKAGE}=={SOURCE_VERSION} failed",
-                          _tail(result.stdout + result.stderr), None)
-    archives = sorted(download.glob(f"{SOURCE_PACKAGE.replace('-', '_')}-{SOURCE_VERSION}*.tar.gz"))
-    if not archives:
-        raise BuildFailed("source", "pip reported success but left no source archive", _tail(result.stdout), None)
-    staging = Path(tempfile.mkdtemp(dir=download))
-    with tarfile.open(archives[-1]) as archive:
-        archive.extractall(staging, filter="data")
-    (extracted,) = [p for p in staging.iterdir() if p.is_dir()]
-    tree.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(extracted, tree)
-    shutil.rmtree(staging, ignore_errors=True)
-    progress("source", 100, f"source ready at {source}")
+    unpack_sdist(cache, SOURCE_PACKAGE, SOURCE_VERSION, tree, progress)
     return source
 
 

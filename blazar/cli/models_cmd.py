@@ -36,11 +36,9 @@ def _row(manifest: ModelManifest) -> dict[str, Any]:
 
 
 def _size(count: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if count < 1000 or unit == "TB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1000
-    return ""
+    from lanes.base import human_size
+
+    return human_size(count)
 
 
 class PullProgress:

@@ -112,13 +112,17 @@ async def generations():
         who = caller()
         if run_async:
             return await _submit_async(services, image, installed, who)
-        if stream:
-            return await _streamed(services, image, who)
-        answer = await _render(services, image, who)
-        headers = await _fixture_note(services, image.model)
+        return await _answer(services, image, who, stream=stream)
     except (RequestError, Refusal) as error:
         return refuse(error)
-    return json_response(answer, headers=headers)
+
+
+async def _answer(services: Services, image: t.ImageRequest, who: Caller, *, stream: bool) -> Response:
+    """The images as SSE or as one JSON answer (raises Refusal before the first byte of either)."""
+    if stream:
+        return await _streamed(services, image, who)
+    answer = await _render(services, image, who)
+    return json_response(answer, headers=await _fixture_note(services, image.model))
 
 
 async def _edit_like(*, variation: bool) -> Response:
@@ -132,14 +136,9 @@ async def _edit_like(*, variation: bool) -> Response:
             raise RequestError("send multipart/form-data with the picture in an `image` file part", param="image")
         installed = await trio.to_thread.run_sync(sdcpp.installed, services.paths)
         image, stream = t.check_edit(fields, files, installed=installed, variation=variation)
-        who = caller()
-        if stream:
-            return await _streamed(services, image, who)
-        answer = await _render(services, image, who)
-        headers = await _fixture_note(services, image.model)
+        return await _answer(services, image, caller(), stream=stream)
     except (RequestError, Refusal) as error:
         return refuse(error)
-    return json_response(answer, headers=headers)
 
 
 @blueprint.post("/v1/images/edits")
