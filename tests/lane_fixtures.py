@@ -33,6 +33,17 @@ def add_shared_model(home: Paths, shared_home: Paths, name: str = "smollm2:135m"
     store.put(manifest)
 
 
+def add_shared_diffusion(home: Paths, shared_home: Paths, name: str = "sd-noise") -> None:
+    """Hardlink a diffusion model of the shared home (scripts/fixtures made it) into a test home (no copy)."""
+    source = shared_home.home / "diffusion" / name
+    if not (source / "blazar.json").exists():
+        raise AssertionError(f"{name} is not installed in {shared_home.home}: run ./scripts/fixtures")
+    target = home.home / "diffusion" / name
+    target.mkdir(parents=True)
+    for file in source.iterdir():
+        os.link(file, target / file.name)
+
+
 async def ps(client: httpx.AsyncClient) -> list[dict]:
     return (await client.get("/api/ps")).json()["models"]
 

@@ -11,7 +11,7 @@ import trio
 
 from blazar.paths import Paths
 from tests.conftest import start_gateway
-from tests.lane_fixtures import add_shared_model, chat_body, register_engine
+from tests.lane_fixtures import add_shared_diffusion, add_shared_model, chat_body, register_engine
 
 pytestmark = pytest.mark.engine
 OUTPUT = Path(__file__).resolve().parent.parent / "test-output"
@@ -31,6 +31,7 @@ async def test_the_console_renders_live_data_in_chromium(nursery, home: Paths, s
                                                          tmp_path):
     register_engine(home, shared_engine.binary, shared_engine.tag)
     add_shared_model(home, shared_home)
+    add_shared_diffusion(home, shared_home)
     gateway = await start_gateway(nursery, home)
     browser = chromium()
     with trio.fail_after(120):
@@ -51,6 +52,8 @@ async def test_the_console_renders_live_data_in_chromium(nursery, home: Paths, s
             assert f">{tab}</button>" in html
         assert "smollm2:135m" in html and shared_engine.tag in html and "state-ready" in html
         assert job["id"] in html  # the Jobs tab lists the background response
+        # Every lane's installed models, the image lane's random-weight fixture labelled as such.
+        assert "sd-noise" in html and "(test fixture: random weights)" in html and ">sdcpp<" in html
         shot = tmp_path / "console-dashboard.png"  # a fresh path: no earlier run's image can stand in for it
         taken = await trio.run_process([browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
                                         "--virtual-time-budget=8000", f"--screenshot={shot}",

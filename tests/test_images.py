@@ -17,7 +17,7 @@ import trio
 from blazar.engines import EngineEntry, Roster
 from blazar.paths import Paths
 from tests.conftest import start_gateway
-from tests.lane_fixtures import ps
+from tests.lane_fixtures import add_shared_diffusion, ps
 
 MODEL = "sd-noise"
 
@@ -36,13 +36,7 @@ def images_home(home: Paths, shared_home: Paths, shared_sd_engine: EngineEntry) 
     """A home with the shared sd-server registered and sd-noise hardlinked from the shared home (no copy)."""
     Roster(home).add(EngineEntry(tag=shared_sd_engine.tag, kind="sdcpp", binary=shared_sd_engine.binary,
                                  sha256=shared_sd_engine.sha256, created_at=time.time(), pseudo=True))
-    source = shared_home.home / "diffusion" / MODEL
-    if not (source / "blazar.json").exists():
-        pytest.fail(f"{MODEL} is not installed in {shared_home.home}: run ./scripts/fixtures")
-    target = home.home / "diffusion" / MODEL
-    target.mkdir(parents=True)
-    for file in source.iterdir():
-        os.link(file, target / file.name)
+    add_shared_diffusion(home, shared_home, MODEL)
     return home
 
 
