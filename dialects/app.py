@@ -37,6 +37,8 @@ from .openai.requests_routes import blueprint as request_cards
 from .openai.responses_routes import blueprint as responses
 from .openai.responses_routes import run_background
 from .openai.routes import blueprint as openai
+from .openai.videos_routes import blueprint as videos
+from .openai.videos_routes import run_video_job
 from .roles import install as install_roles
 
 
@@ -49,6 +51,7 @@ def job_kinds(services: Services) -> dict[str, JobKind]:
         "pull": JobKind(run=lambda ctx: run_pull(services, ctx)),
         "audio": JobKind(run=lambda ctx: run_audio_job(services, ctx), inputs=lambda request: [request["input"]]),
         "image": JobKind(run=lambda ctx: run_image_job(services, ctx)),
+        "video": JobKind(run=lambda ctx: run_video_job(services, ctx)),
     }
 
 
@@ -61,7 +64,7 @@ def create_app(services: Services) -> BlazarApp:
     app.config["BODY_TIMEOUT"] = None
     app.config["RESPONSE_TIMEOUT"] = None
     for blueprint in (native, openai, request_cards, native_engine, ollama, anthropic, admin, keys, jobs, responses,
-                      fabric, openai_batches, anthropic_batches, audio, realtime, images):
+                      fabric, openai_batches, anthropic_batches, audio, realtime, images, videos):
         app.register_blueprint(blueprint)
     install_roles(app)
     if test_hooks_enabled():

@@ -45,7 +45,8 @@ class DiffusionPlan:
     """One sd-server child: a diffusion model and the engine that serves it."""
 
     model: str
-    model_path: Path
+    model_path: Path  # the first file (for explain); `files` is what the child loads
+    files: tuple[tuple[str, Path], ...]  # (sd-server flag, file): ("-m", checkpoint) or the split flags
     binary: Path
     engine_tag: str
     size_bytes: int
@@ -75,11 +76,17 @@ def _manifest(paths: Any, name: str) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def installed(paths: Any) -> list[str]:
+def installed(paths: Any, mode: str | None = None) -> list[str]:
+    """The installed diffusion models; with `mode` ("img_gen", "vid_gen") only those that render it."""
     root = diffusion_root(paths)
     if not root.is_dir():
         return []
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and _manifest(paths, p.name) is not None)
+    names = []
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+        record = _manifest(paths, folder.name)
+        if record is not None and (mode is None or mode in (record.get("modes") or ["img_gen"])):
+            names.append(folder.name)
+    return names
 
 
 class SdCppLane:
@@ -144,7 +151,9 @@ class SdCppLane:
         return rows
 
     def capabilities(self, manifest: Any) -> list[str]:
-        return ["image"]
+        """What the model renders: its manifest's `modes` (sd-server's img_gen, vid_gen); images by default."""
+        modes = (manifest or {}).get("modes") or ["img_gen"]
+        return [{"img_gen": "image", "vid_gen": "video"}[mode] for mode in modes if mode in ("img_gen", "vid_gen")]
 
     # ----- serving
 
@@ -166,17 +175,22 @@ class SdCppLane:
             raise PlanRefused("the sd-server engine is not built on this machine",
                               fix="blazar engine build cpu --lane sdcpp (about 5 to 10 minutes, once)", status=503)
         folder = diffusion_root(paths) / query
-        model_file = folder / str((record.get("files") or {}).get("model") or "model.gguf")
+        named = record.get("files") or {"model": "model.gguf"}
+        flags = record.get("flags") or {"model": "-m"}
+        files = tuple((str(flags.get(role, "-m")), folder / str(name)) for role, name in named.items())
+        model_file = files[0][1]
         loras = Path(tempfile.gettempdir()) / f"blazar-sd-loras-{os.getuid()}"
         loras.mkdir(exist_ok=True)
-        return DiffusionPlan(model=query, model_path=model_file, binary=Path(engine.binary), engine_tag=engine.tag,
+        return DiffusionPlan(model=query, model_path=model_file, files=files, binary=Path(engine.binary),
+                             engine_tag=engine.tag,
                              size_bytes=int(record.get("size") or model_file.stat().st_size),
                              threads=os.cpu_count() or 2, upscalers=diffusion_root(paths) / UPSCALERS, loras=loras,
                              fixture=bool(record.get("fixture")),
                              digest=str((record.get("sha256") or {}).get(model_file.name, "")))
 
     def argv(self, plan: DiffusionPlan, port: int) -> list[str]:
-        return [str(plan.binary), "-m", str(plan.model_path), "--listen-ip", "127.0.0.1", "--listen-port", str(port),
+        loads = [part for flag, path in plan.files for part in (flag, str(path))]
+        return [str(plan.binary), *loads, "--listen-ip", "127.0.0.1", "--listen-port", str(port),
                 "-t", str(plan.threads), "--hires-upscalers-dir", str(plan.upscalers), "--lora-model-dir",
                 str(plan.loras), "--seed", "-1"]  # -1: a request without a seed gets a random one, as OpenAI's
 

@@ -65,6 +65,13 @@ def _png_size(data: bytes) -> tuple[int, int] | None:
     return width, height
 
 
+async def _renders_images(services: Services, model: str, image_models: list[str]) -> None:
+    """A diffusion model that renders video only is refused here, before its child loads."""
+    if model not in image_models and model in await trio.to_thread.run_sync(sdcpp.installed, services.paths):
+        raise Refusal(400, f"{model} renders video, not images; image models: {', '.join(image_models) or 'none'}",
+                      fix=f"POST /v1/videos with model {model}, or name an image model")
+
+
 async def _fixture_note(services: Services, model: str) -> dict[str, str]:
     rows = await trio.to_thread.run_sync(services.lane_clients()[LANE].lane.list_models, services.paths)
     note = next((row.get("note") for row in rows if row["id"] == model and row.get("fixture")), None)
@@ -106,8 +113,9 @@ async def generations():
     services = current_services()
     try:
         body = await json_body()
-        installed = await trio.to_thread.run_sync(sdcpp.installed, services.paths)
+        installed = await trio.to_thread.run_sync(sdcpp.installed, services.paths, "img_gen")
         image = t.check_generation(body, installed=installed)
+        await _renders_images(services, image.model, installed)
         run_async, stream = t.check_modes(body)
         who = caller()
         if run_async:
@@ -134,8 +142,9 @@ async def _edit_like(*, variation: bool) -> Response:
         files = {name: [part.read() for part in uploads.getlist(name)] for name in uploads}
         if not files:
             raise RequestError("send multipart/form-data with the picture in an `image` file part", param="image")
-        installed = await trio.to_thread.run_sync(sdcpp.installed, services.paths)
+        installed = await trio.to_thread.run_sync(sdcpp.installed, services.paths, "img_gen")
         image, stream = t.check_edit(fields, files, installed=installed, variation=variation)
+        await _renders_images(services, image.model, installed)
         return await _answer(services, image, caller(), stream=stream)
     except (RequestError, Refusal) as error:
         return refuse(error)
@@ -290,7 +299,7 @@ async def capabilities():
         wanted = request.args.get("model")
         live = [row["model"] for row in await services.lane_clients()[LANE].ps()
                 if row.get("state") in ("ready", "busy")]
-        installed = await trio.to_thread.run_sync(sdcpp.installed, services.paths)
+        installed = await trio.to_thread.run_sync(sdcpp.installed, services.paths, "img_gen")
         if wanted is not None and wanted not in live:
             raise Refusal(400, f"?model={wanted} matches no loaded diffusion model (loaded: "
                           f"{', '.join(live) or 'none'}; installed: {', '.join(installed) or 'none'}); a GET never "

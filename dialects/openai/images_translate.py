@@ -87,7 +87,7 @@ def check_generation(body: dict[str, Any], *, installed: list[str], prompt_optio
     model = body.get("model")
     if not isinstance(model, str) or not model:
         menu = ", ".join(installed) or "none installed (./scripts/fixtures installs sd-noise)"
-        raise RequestError(f"`model` must name a diffusion model; installed: {menu}", param="model")
+        raise RequestError(f"`model` must name an image model; installed: {menu}", param="model")
     prompt = body.get("prompt")
     if prompt_optional and (prompt is None or prompt == ""):
         prompt = " "  # neutral conditioning (sd-server refuses an empty prompt)

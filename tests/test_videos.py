@@ -1,0 +1,106 @@
+"""The video half of the sdcpp lane through the real engine: sd-server on `vid-noise`, a **random-weight** model
+with the real Wan 2.1 T2V 1.3B and Wan 2.1 VAE architecture and no text encoder (scripts/fixtures --video). It
+renders noise video and ignores the prompt: these tests prove the path (the job plane, the engine's own vid_gen,
+the container bytes, OpenAI's video objects), never quality."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import trio
+
+from blazar.engines import EngineEntry, Roster
+from blazar.paths import Paths
+from tests.conftest import start_gateway
+from tests.lane_fixtures import add_shared_diffusion
+
+MODEL = "vid-noise"
+SMALL = {"size": "64x64", "video_frames": 5, "steps": 1}
+
+
+@pytest.fixture
+def video_home(home: Paths, shared_home: Paths) -> Paths:
+    engine = Roster(shared_home).active_of("sdcpp")
+    if engine is None:
+        pytest.fail(f"no sd-server built in {shared_home.home}: run ./scripts/fixtures")
+    Roster(home).add(EngineEntry(tag=engine.tag, kind="sdcpp", binary=engine.binary, sha256=engine.sha256,
+                                 created_at=time.time(), pseudo=True))
+    add_shared_diffusion(home, shared_home, MODEL)
+    add_shared_diffusion(home, shared_home, "sd-noise")
+    return home
+
+
+async def until_done(client: httpx.AsyncClient, video_id: str) -> dict:
+    """Polling the video as a client does."""
+    while True:
+        view = (await client.get(f"/v1/videos/{video_id}")).json()
+        if view["status"] not in ("queued", "in_progress"):
+            return view
+        await trio.sleep(0.2)
+
+
+async def test_the_openai_client_creates_polls_downloads_and_deletes_a_video(nursery, video_home):
+    from openai import AsyncOpenAI
+
+    gateway = await start_gateway(nursery, video_home)
+    with trio.fail_after(400):
+        async with gateway.client(timeout=300) as client:
+            models = {row["id"]: row for row in (await client.get("/v1/models")).json()["data"]}
+            assert models[MODEL]["capabilities"] == ["video"] and models["sd-noise"]["capabilities"] == ["image"]
+            assert models[MODEL]["fixture"] is True
+
+            sdk = AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", timeout=300, max_retries=0)
+            video = await sdk.videos.create(model=MODEL, prompt="a lighthouse", size="64x64",  # type: ignore[arg-type]
+                                            extra_body={"video_frames": 5, "steps": 1, "output_format": "avi"})
+            assert video.object == "video" and video.status in ("queued", "in_progress") and video.size == "64x64"
+            done = await until_done(client, video.id)
+            assert done["status"] == "completed" and done["progress"] == 100, done
+            assert done["frame_count"] == 5 and done["seconds"] == "0.3125"  # 5 frames at the model's 16 fps
+
+            content = await sdk.videos.download_content(video.id)
+            data = content.read()
+            assert data[:4] == b"RIFF" and data[8:12] == b"AVI "  # a real container from the engine
+            raw = await client.get(f"/v1/videos/{video.id}/content")
+            assert raw.headers["content-type"] == "video/x-msvideo" and raw.content == data
+
+            page = await sdk.videos.list(limit=10)
+            assert [item.id for item in page.data] == [video.id]
+
+            deleted = await sdk.videos.delete(video.id)
+            assert deleted.deleted is True and deleted.object == "video.deleted"
+            gone = await client.get(f"/v1/videos/{video.id}/content")
+            assert gone.status_code == 410 and "deleted or pruned" in gone.json()["error"]["message"]
+            again = await client.delete(f"/v1/videos/{video.id}")
+            assert again.status_code == 200 and again.json()["deleted"] is True  # idempotent
+
+            menu = (await client.get("/v1/videos/capabilities")).json()
+            assert [card["model"] for card in menu["data"]] == [MODEL]
+            assert "vid_gen" in menu["data"][0]["supported_modes"]
+
+
+async def test_what_a_video_request_cannot_honour_is_a_teaching_400(nursery, video_home):
+    gateway = await start_gateway(nursery, video_home)
+    with trio.fail_after(60):
+        async with gateway.client() as client:
+            for body, field, words in (
+                ({"seconds": 4, "video_frames": 5}, "video_frames", "two dials for one knob"),
+                ({"video_frames": 6}, "video_frames", "4n+1"),
+                ({"size": "100x100"}, "size", "multiples of 16"),
+                ({"remixed_from_video_id": "video_x"}, "remixed_from_video_id", "no local video-to-video"),
+                ({"vram_overcommit": True}, "vram_overcommit", "renders video on CPU"),
+                ({"output_format": "mp4"}, "output_format", "webm, webp, avi"),
+                ({"model": "sd-noise"}, "model", "installed: vid-noise"),
+            ):
+                reply = await client.post("/v1/videos", json={"model": MODEL, "prompt": "a lighthouse", **SMALL,
+                                                              **body})
+                assert reply.status_code == 400, reply.text
+                error = reply.json()["error"]
+                assert error["param"] == field and words in error["message"], error
+            image = await client.post("/v1/images/generations", json={"model": MODEL, "prompt": "a lighthouse"})
+            assert image.status_code == 400 and "renders video, not images" in image.json()["error"]["message"]
+            missing = await client.get("/v1/videos/video_nope")
+            assert missing.status_code == 404
+            assert (await client.get("/v1/videos", params={"limit": 101})).status_code == 400
+            assert not (await client.get("/api/ps")).json()["models"]  # nothing loaded for a refused request
