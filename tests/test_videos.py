@@ -104,3 +104,26 @@ async def test_what_a_video_request_cannot_honour_is_a_teaching_400(nursery, vid
             assert missing.status_code == 404
             assert (await client.get("/v1/videos", params={"limit": 101})).status_code == 400
             assert not (await client.get("/api/ps")).json()["models"]  # nothing loaded for a refused request
+
+
+async def test_a_running_video_job_is_viewed_and_cancelled(nursery, video_home):
+    """The job spellings: /v1/videos/generations creates, /v1/videos/jobs/{id} shows the running job (loading the
+    model or rendering), and its cancel ends it at once (a render the engine cannot interrupt is dropped)."""
+    gateway = await start_gateway(nursery, video_home)
+    with trio.fail_after(200):
+        async with gateway.client(timeout=100) as client:
+            created = await client.post("/v1/videos/generations", json={"model": MODEL, "prompt": "a lighthouse",
+                                                                        **{**SMALL, "steps": 30}})
+            assert created.status_code == 200, created.text
+            video_id = created.json()["id"]
+            job = (await client.get(f"/v1/videos/jobs/{video_id}")).json()
+            while job["status"] != "running":  # noqa: ASYNC110 - polling the job as a client does
+                await trio.sleep(0.1)
+                job = (await client.get(f"/v1/videos/jobs/{video_id}")).json()
+            assert job["object"] == "video.job" and job["kind"] == "video"
+            cancelled = await client.post(f"/v1/videos/jobs/{video_id}/cancel")
+            assert cancelled.status_code == 200 and cancelled.json()["status"] in ("cancelling", "cancelled")
+            final = await until_done(client, video_id)
+            assert final["status"] == "cancelled", final
+            content = await client.get(f"/v1/videos/{video_id}/content")
+            assert content.status_code == 404 and "cancelled" in content.json()["error"]["message"]

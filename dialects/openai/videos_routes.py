@@ -7,6 +7,7 @@ create, retrieve, list, content, delete, the job view and its cancel, and the li
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -115,7 +116,7 @@ async def _render(services: Services, ctx: JobContext, video: t.VideoRequest, wh
             await trio.sleep(POLL_SECS)
     except trio.Cancelled:
         # Cancelled (DELETE, cancel, shutdown): a queued engine job is dropped; a running one cannot be interrupted.
-        with trio.CancelScope(shield=True), trio.move_on_after(5):
+        with trio.CancelScope(shield=True), trio.move_on_after(5), contextlib.suppress(Refusal):
             await _child(services, video.model, who, "POST", f"/sdcpp/v1/jobs/{child_job}/cancel")
         raise
     if state.get("status") != "completed":
