@@ -117,7 +117,7 @@ async def test_a_running_video_job_is_viewed_and_cancelled(nursery, video_home):
             assert created.status_code == 200, created.text
             video_id = created.json()["id"]
             job = (await client.get(f"/v1/videos/jobs/{video_id}")).json()
-            while job["status"] != "running":  # noqa: ASYNC110 - polling the job as a client does
+            while job["status"] != "running":  # polling the job as a client does
                 await trio.sleep(0.1)
                 job = (await client.get(f"/v1/videos/jobs/{video_id}")).json()
             assert job["object"] == "video.job" and job["kind"] == "video"
