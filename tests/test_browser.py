@@ -136,6 +136,9 @@ READ_ONLY_GETS = {
     "/v1/responses/{response_id}", "/v1/conversations/{name}", "/v1/files/{file_id}", "/v1/files/{file_id}/content",
     "/v1/batches", "/v1/batches/{batch_id}", "/v1/messages/batches", "/v1/messages/batches/{batch_id}",
     "/v1/messages/batches/{batch_id}/results", "/v1/audio/jobs/{job_id}", "/v1/audio/voices", "/v1/audio/capabilities",
+    # Images and video: job and video views read the job plane; the capabilities menus ask loaded children only.
+    "/v1/images/capabilities", "/v1/images/jobs/{job_id}", "/v1/videos", "/v1/videos/{video_id}",
+    "/v1/videos/{video_id}/content", "/v1/videos/jobs/{video_id}", "/v1/videos/capabilities",
     "/v1/realtime",  # a WebSocket upgrade: a plain GET is refused, and a session changes no stored state
 }
 STREAMS = {"/api/events", "/api/watch"}

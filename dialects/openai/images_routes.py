@@ -168,6 +168,13 @@ async def variations():
 @blueprint.post("/v1/images/upscale")
 @role(Role.KEY)
 async def upscale():
+    """Garbage is a 400 like on every route; a well-formed request is a 501 that says why."""
+    try:
+        body = await json_body()
+        if not isinstance(body.get("image"), str) or not body["image"]:
+            raise RequestError("`image` (the picture as base64 or a data URL) is required", param="image")
+    except (RequestError, Refusal) as error:
+        return refuse(error)
     return refuse(Refusal(501, "a standalone upscale needs sd-server's /sdcpp/v1/upscale, which the engine built here "
                           "(stable-diffusion.cpp master-596) does not have; its ESRGAN models run only as the hires "
                           "fix of a generation", fix="render at the size you want with POST /v1/images/generations "
