@@ -157,10 +157,15 @@ class Roster:
                 self._activate(roster, entry.tag)
 
     def use(self, tag: str) -> EngineEntry:
+        """Make `tag` the active engine of its own kind (an sd-server never becomes the llama.cpp engine)."""
         with self.editing() as roster:
             tag = self._resolve(roster, tag)
-            self._activate(roster, tag)
-            return roster.engines[tag]
+            entry = roster.engines[tag]
+            if entry.kind != "llamacpp":
+                roster.active_by_kind[entry.kind] = tag
+            else:
+                self._activate(roster, tag)
+            return entry
 
     def rollback(self) -> EngineEntry:
         with self.editing() as roster:

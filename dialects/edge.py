@@ -64,7 +64,7 @@ def owner(scope: Any = None) -> str | None:
 def limit_arg(args: Any, default: int, highest: int) -> int:
     """A list route's `?limit=`, checked: a whole number from 1 to `highest`."""
     raw = args.get("limit", str(default))
-    if not raw.isdigit() or not 1 <= int(raw) <= highest:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= highest:
         raise Refusal(400, f"?limit= must be a whole number from 1 to {highest} (default {default}); got {raw!r}")
     return int(raw)
 
@@ -112,7 +112,7 @@ def caller() -> Caller:
 
 def _hops(headers: Any) -> int:
     raw = (headers.get(HOPS_HEADER) or "0").strip()
-    return int(raw) if raw.isdigit() else 0
+    return int(raw) if raw.isascii() and raw.isdigit() else 0
 
 
 def reply_header(name: str, value: str) -> None:
@@ -125,7 +125,7 @@ def num_ctx_header(headers: Any) -> int | None:
     raw = headers.get("x-blazar-num-ctx")
     if raw is None or raw.strip() == "":
         return None
-    if not raw.strip().isdigit() or int(raw) < 128:
+    if not (raw.strip().isascii() and raw.strip().isdigit()) or int(raw) < 128:
         raise Refusal(400, f"X-Blazar-Num-Ctx must be a whole number of tokens ≥ 128, got {raw!r}",
                       fix="e.g. X-Blazar-Num-Ctx: 8192")
     return int(raw)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,8 +178,8 @@ class SdCppLane:
         flags = record.get("flags") or {"model": "-m"}
         files = tuple((str(flags.get(role, "-m")), folder / str(name)) for role, name in named.items())
         model_file = files[0][1]
-        loras = Path(tempfile.gettempdir()) / f"blazar-sd-loras-{os.getuid()}"
-        loras.mkdir(exist_ok=True)
+        loras = Path(paths.run) / "sd-loras"  # Blazar's own folder: sd-server scans it on every request
+        loras.mkdir(parents=True, exist_ok=True)
         return DiffusionPlan(model=query, model_path=model_file, files=files, binary=Path(engine.binary),
                              engine_tag=engine.tag,
                              size_bytes=int(record.get("size") or model_file.stat().st_size),

@@ -17,15 +17,20 @@ import msgspec
 
 class LeaseBook:
     """The admission leases one caller holds. `once`: an HTTP request or WebSocket is admitted once however
-    often it reaches an engine (a failover chain, a retry); a job's unit of work is admitted per model it
-    calls."""
+    often it reaches an engine (a failover chain, a retry); a job's unit of work is admitted once per model it
+    calls, however often it calls it (a video job polls its engine)."""
 
     def __init__(self, *, once: bool) -> None:
         self.once = once
         self.held: list[int] = []
+        self.models: set[str] = set()  # admitted already (a job's unit polling its engine is admitted once)
 
-    def wants_admission(self) -> bool:
-        return not (self.once and self.held)
+    def wants_admission(self, model: str) -> bool:
+        return not self.held if self.once else model not in self.models
+
+    def admitted(self, model: str, lease: int) -> None:
+        self.held.append(lease)
+        self.models.add(model)
 
 
 class Echo:

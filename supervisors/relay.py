@@ -32,6 +32,7 @@ from .lane import Handle, LaneClient
 from .refusal import Refusal
 from .services import Services
 
+JOB_WAIT_SECS = 60.0  # the longest one wait of a job's unit for its key's limits
 REQUEST_CALL_LIMIT_SECS = 3600.0  # the longest a single generation may take end to end
 
 @asynccontextmanager
@@ -78,10 +79,15 @@ async def admit_request(services: Services, model: str, charge: str, who: Caller
     admission = services.admission
     if who.key is None or admission is None:
         return None
-    if who.leases.wants_admission():
+    while who.leases.wants_admission(model):
         try:
-            who.leases.held.append(await admission.admit(who.key, model, charge))
+            who.leases.admitted(model, await admission.admit(who.key, model, charge))
         except ActorError as error:
+            # A job's unit of work waits for its key's rate and concurrency, as a patient client would (no one is
+            # holding a connection open for it); a wait of more than a minute (a daily quota) fails the unit.
+            if not who.leases.once and error.err.code == "rate_limited" and error.err.retry_after <= JOB_WAIT_SECS:
+                await trio.sleep(error.err.retry_after)
+                continue
             raise Refusal.from_err(error.err) from None
         except ActorUnavailable as error:
             raise Refusal(503, f"admission did not answer: {error}", fix="retry in a moment") from None

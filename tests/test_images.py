@@ -167,6 +167,8 @@ def test_the_roster_keeps_one_active_engine_per_lane_kind(home: Paths, tmp_path)
     assert roster.active().tag == "b2-cpu" and roster.active_of("llamacpp").tag == "b2-cpu"
     assert roster.active_of("sdcpp").tag == "sd-0.4.7-cpu" and roster.active_of("whisper") is None
     assert roster.prune(keep=1) == ["b1-cpu"]
+    assert roster.use("sd-0").kind == "sdcpp"  # `engine use` of an sd-server keeps llama.cpp's engine as it is
+    assert roster.active().tag == "b2-cpu" and roster.active_of("sdcpp").tag == "sd-0.4.7-cpu"
     with pytest.raises(EngineError, match="is the active engine"):
         roster.remove("sd-0.4.7-cpu")
     assert {e.tag for e in roster.entries()} == {"b2-cpu", "sd-0.4.7-cpu"}
@@ -358,7 +360,7 @@ async def test_image_work_is_admitted_like_any_request_of_the_key(nursery, image
     gateway = await start_gateway(nursery, images_home, keys=ConfigFile(images_home.config).load({}).keys)
     with trio.fail_after(200):
         async with gateway.client(timeout=150) as client:
-            for body in ({}, {"async": True}):
+            for body in ({}, {"async": True}, {"stream": True}):  # a stream's refusal is a 403 too, not a 200
                 refused = await client.post("/v1/images/generations", headers=auth(chat_only), json={
                     "model": MODEL, "prompt": "a lighthouse", "size": "64x64", "steps": 1, **body})
                 assert refused.status_code == 403, refused.text

@@ -91,6 +91,8 @@ async def test_what_a_video_request_cannot_honour_is_a_teaching_400(nursery, vid
                 ({"remixed_from_video_id": "video_x"}, "remixed_from_video_id", "no local video-to-video"),
                 ({"vram_overcommit": True}, "vram_overcommit", "renders video on CPU"),
                 ({"output_format": "mp4"}, "output_format", "webm, webp, avi"),
+                ({"video_frames": None, "seconds": "²"}, "seconds", "whole number"),  # a digit int() refuses
+                ({"cfg_scale": "nan"}, "cfg_scale", "from 0 to 30"),
                 ({"model": "sd-noise"}, "model", "installed: vid-noise"),
             ):
                 reply = await client.post("/v1/videos", json={"model": MODEL, "prompt": "a lighthouse", **SMALL,
@@ -100,6 +102,8 @@ async def test_what_a_video_request_cannot_honour_is_a_teaching_400(nursery, vid
                 assert error["param"] == field and words in error["message"], error
             image = await client.post("/v1/images/generations", json={"model": MODEL, "prompt": "a lighthouse"})
             assert image.status_code == 400 and "renders video, not images" in image.json()["error"]["message"]
+            hops = await client.get("/v1/videos/video_nope", headers={"x-blazar-hops": b"\xb2"})  # "²" in latin-1
+            assert hops.status_code == 404  # a header of odd digits is not a 500
             missing = await client.get("/v1/videos/video_nope")
             assert missing.status_code == 404
             assert (await client.get("/v1/videos", params={"limit": 101})).status_code == 400
@@ -127,3 +131,21 @@ async def test_a_running_video_job_is_viewed_and_cancelled(nursery, video_home):
             assert final["status"] == "cancelled", final
             content = await client.get(f"/v1/videos/{video_id}/content")
             assert content.status_code == 404 and "cancelled" in content.json()["error"]["message"]
+
+
+async def test_a_video_job_is_admitted_once_for_a_key_with_one_concurrent_request(nursery, video_home):
+    """A job's unit of work is admitted once per model, however often it polls its engine: a key allowed one
+    request at a time renders a video (it used to be refused by its own earlier leases)."""
+    from blazar.config import ConfigFile
+    from tests.test_tenants import TENANT, auth, issued
+
+    video_home.config.write_text(f'[[keys]]\nname = "painter"\nsecret = "{issued(TENANT)}"\nmodels = ["{MODEL}"]\n'
+                                 'max_concurrent = 1\n')
+    gateway = await start_gateway(nursery, video_home, keys=ConfigFile(video_home.config).load({}).keys)
+    with trio.fail_after(300):
+        async with gateway.client(timeout=200, headers=auth(TENANT)) as client:
+            created = await client.post("/v1/videos", json={"model": MODEL, "prompt": "a lighthouse", **SMALL,
+                                                            "output_format": "avi"})
+            assert created.status_code == 200, created.text
+            done = await until_done(client, created.json()["id"])
+            assert done["status"] == "completed", done.get("error")

@@ -26,7 +26,7 @@ from supervisors.caller import Caller
 from supervisors.instance import UpstreamCall
 from supervisors.jobs import JobContext, JobFailed, job_view, new_job_id
 from supervisors.refusal import Refusal
-from supervisors.relay import acting_for, admit_work, buffered, engine_failure, forward
+from supervisors.relay import acting_for, admit_request, admit_work, buffered, engine_failure, ensure_model, forward
 from supervisors.services import Services
 
 from . import images_translate as t
@@ -257,7 +257,12 @@ def _sse(event: str, payload: dict[str, Any]) -> bytes:
 
 async def _streamed(services: Services, image: t.ImageRequest, who: Caller) -> Response:
     """The render runs as a task under the session supervisor (it outlives this handler); the body relays a
-    keep-alive comment every 15 s while it renders, then the images, or an error event."""
+    keep-alive comment every 15 s while it renders, then the images, or an error event. What can be refused is
+    refused here, with its own status, before the 200: the key's admission (held until the body has drained) and
+    the model's child (loaded now). A client that leaves cancels the render task, which withdraws its place in the
+    child's queue."""
+    await admit_request(services, image.model, "requests", who)
+    await ensure_model(services, image.model, who, lane=services.lane_clients()[LANE])
     send, receive = trio.open_memory_channel[dict[str, Any] | Refusal](1)
 
     async def render() -> None:
@@ -269,17 +274,20 @@ async def _streamed(services: Services, image: t.ImageRequest, who: Caller) -> R
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await send.send(outcome)  # the client may have left
 
-    await required(services.sessions).run_task("image", who.key, render, lambda: {"model": image.model})
     headers = await _fixture_note(services, image.model)
+    ticket = await required(services.sessions).run_task("image", who.key, render, lambda: {"model": image.model})
 
     async def events() -> AsyncIterator[bytes]:
-        with receive:
-            outcome: dict[str, Any] | Refusal | None = None
-            while outcome is None:
-                with trio.move_on_after(KEEPALIVE_SECS):
-                    outcome = await receive.receive()
-                if outcome is None:
-                    yield b": keep-alive\n\n"
+        try:
+            with receive:
+                outcome: dict[str, Any] | Refusal | None = None
+                while outcome is None:
+                    with trio.move_on_after(KEEPALIVE_SECS):
+                        outcome = await receive.receive()
+                    if outcome is None:
+                        yield b": keep-alive\n\n"
+        finally:
+            ticket.scope.cancel()  # the client left (or the answer is in): the render task ends now
         if isinstance(outcome, Refusal):
             yield _sse("error", {"type": "error", "error": {"message": outcome.message, "code": outcome.code,
                                                              "hint": outcome.fix}})

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -42,7 +43,7 @@ class VideoRequest(msgspec.Struct, frozen=True, kw_only=True):
 def _whole(value: Any, name: str, low: int, high: int) -> int | None:
     if value is None:
         return None
-    if isinstance(value, str) and value.strip().isdigit():
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise RequestError(f"`{name}` must be a whole number from {low} to {high}, got {value!r}", param=name)
@@ -100,9 +101,12 @@ def check_video(body: dict[str, Any], *, installed: list[str]) -> VideoRequest:
     cfg = body.get("cfg_scale")
     if cfg is not None:
         try:
-            cfg = float(cfg)
+            cfg = None if isinstance(cfg, bool) else float(cfg)
         except (TypeError, ValueError):
-            raise RequestError(f"`cfg_scale` must be a number, got {cfg!r}", param="cfg_scale") from None
+            cfg = None
+        if cfg is None or not math.isfinite(cfg) or not 0 <= cfg <= 30:
+            raise RequestError(f"`cfg_scale` must be a number from 0 to 30, got {body.get('cfg_scale')!r}",
+                               param="cfg_scale")
     output_format = body.get("output_format") or "webm"
     if output_format not in OUTPUT_FORMATS:
         raise RequestError(f"`output_format` must be one of {', '.join(OUTPUT_FORMATS)}, got {output_format!r}",
