@@ -97,6 +97,13 @@ class Cancel(Envelope, frozen=True, kw_only=True, tag="cancel"):
     viewer: str | None
 
 
+class Purge(Envelope, frozen=True, kw_only=True, tag="purge"):
+    """Drop a job's result (inline and spilled artifact), cancelling it first when it has not ended; the row stays."""
+
+    id: str
+    viewer: str | None
+
+
 class Watch(Envelope, frozen=True, kw_only=True, tag="watch"):
     id: str
 
@@ -177,6 +184,8 @@ class JobSupervisor(MessageLoop):
                 return await self._create(message)
             case Cancel(id=job_id, viewer=viewer):
                 return await self._cancel(job_id, viewer)
+            case Purge(id=job_id, viewer=viewer):
+                return await self._purge(job_id, viewer)
             case Watch(id=job_id):
                 live = self.live.get(job_id)
                 if live is None:
@@ -296,6 +305,18 @@ class JobSupervisor(MessageLoop):
             await self._append(job_id, "cancel_requested", {})
         return Ok(rows[0]["state"] if live is None else "cancelling")
 
+    async def _purge(self, job_id: str, viewer: str | None) -> Reply:
+        cancelled = await self._cancel(job_id, viewer)
+        if isinstance(cancelled, Err):
+            return cancelled
+        rows = await self.ledger.query("SELECT artifact FROM jobs WHERE id = ?", (job_id,))
+        await self.ledger.execute("UPDATE jobs SET result = NULL, artifact = NULL, updated = ? WHERE id = ?",
+                                  (time.time(), job_id))
+        if rows and rows[0]["artifact"]:
+            await trio.to_thread.run_sync(lambda: Path(rows[0]["artifact"]).unlink(missing_ok=True))
+        await self._append(job_id, "purged", {})
+        return Ok(None)
+
     async def _append(self, job_id: str, kind: str, detail: dict[str, Any]) -> None:
         live = self.live.get(job_id)
         if live is None:
@@ -354,6 +375,10 @@ class JobsClient:
 
     async def cancel(self, job_id: str, viewer: str | None) -> str:
         return await call(self.mailbox, lambda r: Cancel(reply=r, id=job_id, viewer=viewer))
+
+    async def purge(self, job_id: str, viewer: str | None) -> None:
+        """Cancel the job if it runs, and drop its result: its content is gone, its record stays."""
+        await call(self.mailbox, lambda r: Purge(reply=r, id=job_id, viewer=viewer))
 
     async def watch(self, job_id: str) -> trio.MemoryReceiveChannel | None:
         """Progress of a live job as it happens (None once it has finished); closed when it ends."""
