@@ -23,32 +23,18 @@ from dialects.roles import Role, role
 from dialects.wire import RequestError
 from lanes import sdcpp
 from supervisors.caller import Caller
-from supervisors.instance import UpstreamCall
 from supervisors.jobs import JobContext, JobFailed, job_view, new_job_id
 from supervisors.refusal import Refusal
-from supervisors.relay import acting_for, admit_request, admit_work, buffered, engine_failure, ensure_model, forward
+from supervisors.relay import acting_for, admit_request, admit_work, ensure_model
 from supervisors.services import Services
 
 from . import images_translate as t
+from .sdcpp_calls import LANE, engine_json, live_menu
 
 blueprint = Blueprint("images", __name__)
 
-LANE = sdcpp.SdCppLane.kind
 DEFAULT_STEPS = 20  # sd-server's own default when its capabilities do not say
 KEEPALIVE_SECS = 15.0
-
-
-async def _engine_json(services: Services, model: str, call: UpstreamCall, who: Caller) -> dict[str, Any]:
-    reply = buffered(await forward(services, model, call, who, lane_kind=LANE))
-    if reply.status >= 400:
-        raise engine_failure(reply)
-    try:
-        payload = msgspec.json.decode(reply.body)
-    except msgspec.DecodeError:
-        raise Refusal(502, f"sd-server answered {reply.status} with a body that is not JSON") from None
-    if not isinstance(payload, dict):
-        raise Refusal(502, "sd-server answered with JSON that is not an object")
-    return payload
 
 
 def _default_steps(capabilities: dict[str, Any]) -> int:
@@ -82,13 +68,10 @@ async def _render(services: Services, image: t.ImageRequest, who: Caller) -> dic
     """One image request through the model's child, answered in OpenAI's shape."""
     steps = image.steps
     if image.quality is not None:  # scaled from the model's own default, asked of its live child
-        capabilities = await _engine_json(services, image.model, UpstreamCall(
-            method="GET", path="/sdcpp/v1/capabilities", body=b"", stream=False, content_type="application/json"),
-            who)
+        capabilities = await engine_json(services, image.model, who, "GET", "/sdcpp/v1/capabilities")
         steps = t.scaled_steps(image.quality, _default_steps(capabilities))
-    payload = await _engine_json(services, image.model, UpstreamCall(
-        method="POST", path="/v1/images/generations", body=t.engine_body(image, steps), stream=False,
-        content_type="application/json"), who)
+    payload = await engine_json(services, image.model, who, "POST", "/v1/images/generations",
+                                t.engine_body(image, steps))
     images = [item for item in payload.get("data") or [] if isinstance(item, dict) and item.get("b64_json")]
     if len(images) != image.n:
         raise Refusal(502, f"sd-server returned {len(images)} image(s) for n={image.n}")
@@ -311,22 +294,8 @@ async def capabilities():
     never loads a model. `?model=` narrows to one; a name that matches no loaded child is a 400 with the menu."""
     services = current_services()
     try:
-        wanted = request.args.get("model")
-        live = [row["model"] for row in await services.lane_clients()[LANE].ps()
-                if row.get("state") in ("ready", "busy")]
-        installed = await trio.to_thread.run_sync(sdcpp.installed, services.paths, "img_gen")
-        if wanted is not None and wanted not in live:
-            raise Refusal(400, f"?model={wanted} matches no loaded diffusion model (loaded: "
-                          f"{', '.join(live) or 'none'}; installed: {', '.join(installed) or 'none'}); a GET never "
-                          "loads one",
-                          fix=f"load it first: generate an image with it (POST /v1/images/generations, model {wanted})")
-        who = caller()
-        data = []
-        for model in [wanted] if wanted is not None else live:
-            card = await _engine_json(services, model, UpstreamCall(method="GET", path="/sdcpp/v1/capabilities",
-                                                                    body=b"", stream=False,
-                                                                    content_type="application/json"), who)
-            data.append({"model": model, **{k: v for k, v in card.items() if k != "model"}})
+        menu = await live_menu(services, caller(), "img_gen", request.args.get("model"), what="image model",
+                               fix="load it first: generate an image with it (POST /v1/images/generations)")
     except Refusal as error:
         return refuse(error)
-    return json_response({"object": "list", "data": data, "installed": installed})
+    return json_response(menu)

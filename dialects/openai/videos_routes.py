@@ -9,8 +9,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import time
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -23,34 +21,20 @@ from dialects.roles import Role, role
 from dialects.wire import RequestError, decode_object
 from lanes import sdcpp
 from supervisors.caller import Caller
-from supervisors.instance import UpstreamCall
 from supervisors.jobs import JobContext, JobFailed, job_view, new_job_id
 from supervisors.refusal import Refusal
-from supervisors.relay import acting_for, admit_work, buffered, engine_failure, forward
+from supervisors.relay import acting_for, admit_work
 from supervisors.services import Services
 
 from . import videos_translate as t
+from .sdcpp_calls import engine_json, live_menu
 
 blueprint = Blueprint("videos", __name__)
 
-LANE = sdcpp.SdCppLane.kind
 DEFAULT_FPS = 16  # sd-server's vid_gen default when its capabilities do not say
 POLL_SECS = 0.5
 STATUS = {"queued": "queued", "running": "in_progress", "completed": "completed", "failed": "failed",
           "cancelled": "cancelled"}
-
-
-async def _child(services: Services, model: str, who: Caller, method: str, path: str,
-                 body: bytes = b"") -> dict[str, Any]:
-    reply = buffered(await forward(services, model, UpstreamCall(method=method, path=path, body=body, stream=False,
-                                                                 content_type="application/json"), who,
-                                   lane_kind=LANE))
-    if reply.status >= 400:
-        raise engine_failure(reply)
-    payload = msgspec.json.decode(reply.body)
-    if not isinstance(payload, dict):
-        raise Refusal(502, "sd-server answered with JSON that is not an object")
-    return payload
 
 
 # ----- create
@@ -99,10 +83,10 @@ async def run_video_job(services: Services, ctx: JobContext) -> dict[str, Any]:
 
 
 async def _render(services: Services, ctx: JobContext, video: t.VideoRequest, who: Caller) -> dict[str, Any]:
-    capabilities = await _child(services, video.model, who, "GET", "/sdcpp/v1/capabilities")
+    capabilities = await engine_json(services, video.model, who, "GET", "/sdcpp/v1/capabilities")
     defaults = (capabilities.get("defaults_by_mode") or {}).get("vid_gen") or capabilities.get("defaults") or {}
     fps: int = defaults["fps"] if isinstance(defaults.get("fps"), int) else DEFAULT_FPS
-    submitted = await _child(services, video.model, who, "POST", "/sdcpp/v1/vid_gen",
+    submitted = await engine_json(services, video.model, who, "POST", "/sdcpp/v1/vid_gen",
                              t.engine_body(video, default_fps=fps))
     child_job = str(submitted.get("id") or "")
     if not child_job:
@@ -110,14 +94,14 @@ async def _render(services: Services, ctx: JobContext, video: t.VideoRequest, wh
     ctx.event("engine_job", id=child_job)
     try:
         while True:
-            state = await _child(services, video.model, who, "GET", f"/sdcpp/v1/jobs/{child_job}")
+            state = await engine_json(services, video.model, who, "GET", f"/sdcpp/v1/jobs/{child_job}")
             if state.get("status") in ("completed", "failed", "cancelled"):
                 break
             await trio.sleep(POLL_SECS)
     except trio.Cancelled:
         # Cancelled (DELETE, cancel, shutdown): a queued engine job is dropped; a running one cannot be interrupted.
         with trio.CancelScope(shield=True), trio.move_on_after(5), contextlib.suppress(Refusal):
-            await _child(services, video.model, who, "POST", f"/sdcpp/v1/jobs/{child_job}/cancel")
+            await engine_json(services, video.model, who, "POST", f"/sdcpp/v1/jobs/{child_job}/cancel")
         raise
     if state.get("status") != "completed":
         error = state.get("error") or {}
@@ -230,12 +214,7 @@ async def delete_video(video_id: str):
         row = await _own_video(services, video_id)
     except Refusal as error:
         return refuse(error)
-    if row["state"] in ("queued", "running"):
-        await required(services.jobs).cancel(video_id, viewer())
-    await services.ledger.execute("UPDATE jobs SET result = NULL, artifact = NULL, updated = ? WHERE id = ?",
-                                  (time.time(), video_id))
-    if row.get("artifact"):
-        await trio.to_thread.run_sync(lambda: Path(row["artifact"]).unlink(missing_ok=True))
+    await required(services.jobs).purge(row["id"], viewer())
     return json_response({"id": video_id, "object": "video.deleted", "deleted": True})
 
 
@@ -275,20 +254,9 @@ async def cancel_video_job(video_id: str):
 @role(Role.KEY)
 async def video_capabilities():
     """The live menu of every loaded video model (a GET never loads one)."""
-    services = current_services()
     try:
-        installed = await trio.to_thread.run_sync(sdcpp.installed, services.paths, "vid_gen")
-        live = [row["model"] for row in await services.lane_clients()[LANE].ps()
-                if row.get("state") in ("ready", "busy") and row["model"] in installed]
-        wanted = request.args.get("model")
-        if wanted is not None and wanted not in live:
-            raise Refusal(400, f"?model={wanted} matches no loaded video model (loaded: {', '.join(live) or 'none'}; "
-                          f"installed: {', '.join(installed) or 'none'}); a GET never loads one",
-                          fix="create a video with it first (POST /v1/videos)")
-        who = caller()
-        data = [{"model": model, **{k: v for k, v in (await _child(services, model, who, "GET",
-                                                                  "/sdcpp/v1/capabilities")).items() if k != "model"}}
-                for model in ([wanted] if wanted is not None else live)]
+        menu = await live_menu(current_services(), caller(), "vid_gen", request.args.get("model"),
+                               what="video model", fix="create a video with it first (POST /v1/videos)")
     except Refusal as error:
         return refuse(error)
-    return json_response({"object": "list", "data": data, "installed": installed})
+    return json_response(menu)
