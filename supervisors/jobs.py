@@ -376,6 +376,13 @@ class JobsClient:
     async def cancel(self, job_id: str, viewer: str | None) -> str:
         return await call(self.mailbox, lambda r: Cancel(reply=r, id=job_id, viewer=viewer))
 
+    async def cancel_and_read(self, job_id: str, viewer: str | None) -> tuple[str, dict[str, Any]]:
+        """Cancel a job the caller may see, then its row as it is now: (the cancel's state, the row)."""
+        state = await self.cancel(job_id, viewer)
+        row = await self.get(job_id)
+        assert row is not None  # the cancel found it; job rows are archived, never deleted
+        return state, row
+
     async def purge(self, job_id: str, viewer: str | None) -> None:
         """Cancel the job if it runs, and drop its result: its content is gone, its record stays."""
         await call(self.mailbox, lambda r: Purge(reply=r, id=job_id, viewer=viewer))

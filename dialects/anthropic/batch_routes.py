@@ -136,9 +136,7 @@ async def cancel_batch(batch_id: str):
     row = await _row(batch_id)
     if row is None:
         return _missing(batch_id)
-    state = await required(services.jobs).cancel(batch_id, viewer())
-    row = await required(services.jobs).get(batch_id)
-    assert row is not None  # found above; job rows are archived, never deleted
+    state, row = await required(services.jobs).cancel_and_read(batch_id, viewer())
     view = batch_object(row)
     if state == "cancelling":
         view["processing_status"] = "canceling"

@@ -311,9 +311,7 @@ async def cancel_audio_job(job_id: str):
     row = await required(services.jobs).get(job_id, viewer())
     if row is None or row["kind"] != "audio":
         return refuse(Refusal(404, f"no audio job {job_id}", fix="GET /v1/jobs?kind=audio lists yours"))
-    state = await required(services.jobs).cancel(job_id, viewer())
-    row = await required(services.jobs).get(job_id)
-    assert row is not None  # found above; job rows are archived, never deleted
+    state, row = await required(services.jobs).cancel_and_read(job_id, viewer())
     view = _audio_job_view(row)
     if state == "cancelling":
         view["status"] = "cancelling"

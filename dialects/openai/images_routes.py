@@ -222,9 +222,7 @@ async def cancel_image_job(job_id: str):
         await _own_image_job(services, job_id)
     except Refusal as error:
         return refuse(error)
-    state = await required(services.jobs).cancel(job_id, viewer())
-    row = await required(services.jobs).get(job_id)
-    assert row is not None  # found above; job rows are archived, never deleted
+    state, row = await required(services.jobs).cancel_and_read(job_id, viewer())
     view = _image_job_view(row)
     if state == "cancelling":
         view["status"] = "cancelling"

@@ -241,9 +241,7 @@ async def cancel_video_job(video_id: str):
         await _own_video(services, video_id)
     except Refusal as error:
         return refuse(error)
-    state = await required(services.jobs).cancel(video_id, viewer())
-    row = await required(services.jobs).get(video_id)
-    assert row is not None  # found above
+    state, row = await required(services.jobs).cancel_and_read(video_id, viewer())
     view = video_object(row)
     if state == "cancelling":
         view["status"] = "cancelling"
